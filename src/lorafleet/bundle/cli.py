@@ -1,0 +1,9 @@
+"""CLI: ``lorafleet inspect`` (placeholder)."""
+
+import click
+
+
+@click.command("inspect")
+def inspect_command() -> None:
+    """Not implemented yet."""
+    raise click.ClickException("not implemented yet")

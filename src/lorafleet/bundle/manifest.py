@@ -1,0 +1,134 @@
+"""The manifest: what a bundle declares about itself. Pure values, no I/O.
+
+Both the trainer and the agent use these types; the agent re-checks every path with
+``check_file_path`` so that a hand-made manifest cannot escape the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ALLOWED_FILES",
+    "WEIGHT_FILES",
+    "FileEntry",
+    "Manifest",
+    "PathError",
+    "check_file_path",
+    "check_name",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# The only files a bundle may carry: what vLLM and SGLang read from an adapter directory.
+ALLOWED_FILES = frozenset({ADAPTER_CONFIG, *WEIGHT_FILES})
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PathError(ValueError):
+    """A file path is unsafe (``escape``) or not in the allow-list (``not_allowed``)."""
+
+    def __init__(self, kind: str, path: str, message: str) -> None:
+        self.kind = kind
+        self.path = path
+        super().__init__(message)
+
+
+def check_file_path(path: str) -> str:
+    """Return ``path`` if it is a safe, allow-listed bundle file name; raise ``PathError``."""
+    if not isinstance(path, str) or not path:
+        raise PathError("not_allowed", str(path), "empty file name")
+    if "\x00" in path or "\\" in path:
+        raise PathError("escape", path, f"file path {path!r} contains a forbidden character")
+    if path.startswith("/") or posixpath.isabs(path):
+        raise PathError("escape", path, f"file path {path!r} is absolute")
+    parts = path.split("/")
+    if any(p in ("..", ".", "") for p in parts) or posixpath.normpath(path) != path:
+        raise PathError("escape", path, f"file path {path!r} escapes the adapter directory")
+    if path not in ALLOWED_FILES:
+        allowed = ", ".join(sorted(ALLOWED_FILES))
+        raise PathError("not_allowed", path, f"file {path!r} is not allowed (allowed: {allowed})")
+    return path
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a valid adapter name; raise ``ValueError`` otherwise."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid adapter name {name!r}: use 1-128 of [A-Za-z0-9._-], starting alphanumeric"
+        )
+    return name
+
+
+class FileEntry(BaseModel):
+    """One file of a bundle: its relative path, size in bytes and sha256 (lowercase hex)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    size: int = Field(ge=0)
+    sha256: str
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _SHA256_RE.match(v):
+            raise ValueError("sha256 must be 64 lowercase hex characters")
+        return v
+
+
+class Manifest(BaseModel):
+    """A named, versioned adapter: its files, PEFT config and base model. Immutable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: int = Field(ge=1)
+    base_model: str | None = None
+    config: dict[str, Any]
+    files: tuple[FileEntry, ...]
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @field_validator("files")
+    @classmethod
+    def _unique(cls, v: tuple[FileEntry, ...]) -> tuple[FileEntry, ...]:
+        paths = [f.path for f in v]
+        if len(set(paths)) != len(paths):
+            raise ValueError("duplicate file paths in manifest")
+        if not v:
+            raise ValueError("a manifest needs at least one file")
+        return v
+
+    def canonical_json(self) -> bytes:
+        """The canonical encoding the digest is computed over (sorted keys, no spaces)."""
+        body = self.model_dump(mode="json")
+        body["files"] = sorted(body["files"], key=lambda f: f["path"])
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the canonical manifest JSON: the bundle's identity."""
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)

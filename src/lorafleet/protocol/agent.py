@@ -1,0 +1,180 @@
+"""The agent's wire protocol: routes, headers and bodies. Imported by the agent and the Publisher.
+
+Upload flow (all under the control token)::
+
+    POST   /v1/uploads                           OpenUploadRequest -> 201 UploadSession
+    GET    /v1/uploads/{upload_id}               -> UploadStatus
+    HEAD   /v1/uploads/{upload_id}/files/{path}  -> 200, header Upload-Offset (durable bytes)
+    PUT    /v1/uploads/{upload_id}/files/{path}  raw bytes from Upload-Offset -> FileProgress
+    POST   /v1/uploads/{upload_id}/commit        -> AdapterRecord (state "staged")
+    DELETE /v1/uploads/{upload_id}               -> 204, staged bytes removed
+
+Adapters::
+
+    POST   /v1/adapters/register   RegisterPathRequest (shared filesystem) -> AdapterRecord
+    POST   /v1/adapters/load       LoadRequest -> AdapterRecord ("loaded")
+    POST   /v1/adapters/activate   ActivateRequest -> AdapterRecord ("active")
+    POST   /v1/adapters/unload     UnloadRequest -> AdapterRecord (removed from engine and store)
+    GET    /v1/adapters            -> AdapterList
+    GET    /v1/info                -> AgentInfo        (open)
+    GET    /health                 -> Health, 200 ready / 503 not ready (open)
+    GET    /metrics                Prometheus text (open)
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lorafleet.bundle.manifest import FileEntry, Manifest
+
+__all__ = [
+    "CONTENT_DIGEST_HEADER",
+    "REPR_DIGEST_HEADER",
+    "UPLOAD_OFFSET_HEADER",
+    "ActivateRequest",
+    "AdapterList",
+    "AdapterRecord",
+    "AdapterState",
+    "AgentInfo",
+    "EngineCapabilities",
+    "FileEntry",
+    "FileProgress",
+    "Health",
+    "LoadMode",
+    "LoadRequest",
+    "Manifest",
+    "OpenUploadRequest",
+    "RegisterPathRequest",
+    "UnloadRequest",
+    "UploadSession",
+    "UploadStatus",
+    "engine_name",
+    "file_url",
+    "upload_url",
+]
+
+UPLOAD_OFFSET_HEADER = "Upload-Offset"
+# RFC 9530. Repr-Digest: the whole file's sha-256 (checked against the manifest).
+# Content-Digest: the sha-256 of this request's body (checked for this chunk).
+REPR_DIGEST_HEADER = "Repr-Digest"
+CONTENT_DIGEST_HEADER = "Content-Digest"
+
+LoadMode = Literal["versioned", "in_place"]
+
+
+def engine_name(name: str, version: int, mode: LoadMode = "versioned") -> str:
+    """The engine-side adapter name: immutable ``name@vN`` per version, or the plain name."""
+    return name if mode == "in_place" else f"{name}@v{version}"
+
+
+def upload_url(upload_id: str) -> str:
+    return f"/v1/uploads/{upload_id}"
+
+
+def file_url(upload_id: str, path: str) -> str:
+    return f"/v1/uploads/{upload_id}/files/{path}"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OpenUploadRequest(_Model):
+    manifest: Manifest
+
+
+class UploadSession(_Model):
+    upload_id: str
+    missing: list[str]
+    """Paths the agent still needs; the rest are already in its content-addressed store."""
+    present: list[str]
+    expires_in_s: float
+
+
+class FileProgress(_Model):
+    path: str
+    size: int
+    sha256: str
+    offset: int
+    """Bytes durably received (fsynced). A resumed PUT starts here."""
+    complete: bool
+
+
+class UploadStatus(_Model):
+    upload_id: str
+    name: str
+    version: int
+    files: list[FileProgress]
+
+
+class RegisterPathRequest(_Model):
+    """Shared filesystem transfer: the agent verifies ``path`` against ``manifest`` and ingests it."""
+
+    manifest: Manifest
+    path: str
+
+
+class LoadRequest(_Model):
+    name: str
+    version: int = Field(ge=1)
+    mode: LoadMode = "versioned"
+
+
+class ActivateRequest(_Model):
+    name: str
+    version: int = Field(ge=1)
+
+
+class UnloadRequest(_Model):
+    name: str
+    version: int = Field(ge=1)
+
+
+class AdapterState(str, Enum):
+    STAGED = "staged"
+    LOADED = "loaded"
+    ACTIVE = "active"
+    FAILED = "failed"
+
+
+class AdapterRecord(_Model):
+    name: str
+    version: int
+    digest: str
+    engine_name: str
+    mode: LoadMode
+    state: AdapterState
+    path: str
+    error: str | None = None
+
+
+class AdapterList(_Model):
+    adapters: list[AdapterRecord]
+
+
+class EngineCapabilities(_Model):
+    kind: Literal["vllm", "sglang", "reference"]
+    max_lora_rank: int | None = None
+    max_adapters: int | None = None
+    upsert: bool = False
+    """The engine replaces an adapter in place under the same name."""
+    unload_frees_slot: bool = True
+    """False for vLLM: /v1/unload_lora_adapter leaves the adapter cached (vLLM #54839)."""
+
+
+class AgentInfo(_Model):
+    replica_id: str
+    engine_url: str
+    base_model: str
+    capabilities: EngineCapabilities
+    ready: bool
+
+
+class Health(_Model):
+    status: Literal["ok", "not_ready"]
+    engine_reachable: bool
+    reconciling: bool
+    detail: str | None = None

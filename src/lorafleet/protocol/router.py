@@ -1,0 +1,131 @@
+"""The router's wire protocol: version tags on the data plane, and the control plane.
+
+Data plane (OpenAI-compatible; the inference key, if set, is a Bearer token)::
+
+    POST /v1/completions, POST /v1/chat/completions   stream or not
+    GET  /v1/models
+    POST /generate                                   native token-id generation
+
+Every routed response carries ``X-Lorafleet-Adapter`` / ``X-Lorafleet-Adapter-Version`` headers
+and a ``lorafleet`` field (``VersionTag``) in the JSON body, or in one extra chunk with empty
+``choices`` just before ``data: [DONE]`` in a stream.
+
+Control plane (the control token, separate from the inference key)::
+
+    GET    /v1/control/aliases                 -> AliasTable
+    PUT    /v1/control/aliases/{name}          SetAliasRequest -> AliasEntry  (atomic flip)
+    DELETE /v1/control/aliases/{name}          -> 204
+    POST   /v1/control/aliases/{name}/drain    DrainRequest -> DrainResponse
+    POST   /v1/control/leases/{name}           LeaseRequest -> Lease (409 if another holder)
+    DELETE /v1/control/leases/{name}/{holder}  -> 204
+    GET    /v1/control/replicas                -> ReplicaList
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ADAPTER_HEADER",
+    "REPLICA_HEADER",
+    "SESSION_HEADER",
+    "TAG_FIELD",
+    "VERSION_HEADER",
+    "AliasEntry",
+    "AliasEvent",
+    "AliasTable",
+    "DrainRequest",
+    "DrainResponse",
+    "Lease",
+    "LeaseRequest",
+    "ReplicaList",
+    "ReplicaStatus",
+    "SetAliasRequest",
+    "VersionTag",
+]
+
+ADAPTER_HEADER = "X-Lorafleet-Adapter"
+VERSION_HEADER = "X-Lorafleet-Adapter-Version"
+REPLICA_HEADER = "X-Lorafleet-Replica"
+SESSION_HEADER = "X-Session-ID"
+TAG_FIELD = "lorafleet"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VersionTag(_Model):
+    adapter: str | None
+    """None for base-model requests."""
+    version: int | None
+    replica: str
+
+
+class SetAliasRequest(_Model):
+    version: int = Field(ge=1)
+    engine_name: str
+    replicas: list[str] = Field(min_length=1)
+    """Replica ids (``AgentInfo.replica_id``) that hold this version, loaded and verified."""
+    expected_version: int | None = None
+    """Compare-and-set: refuse (409) unless the active version is this one (None: no alias yet)."""
+    lease_holder: str | None = None
+
+
+class AliasEntry(_Model):
+    name: str
+    version: int
+    engine_name: str
+    replicas: list[str]
+    seq: int
+    """Position in the alias log of the flip that made this entry active."""
+
+
+class AliasEvent(_Model):
+    seq: int
+    ts: float
+    name: str
+    version: int | None
+    """None when the alias was removed."""
+    engine_name: str | None
+
+
+class AliasTable(_Model):
+    aliases: dict[str, AliasEntry]
+    log: list[AliasEvent]
+
+
+class DrainRequest(_Model):
+    version: int = Field(ge=1)
+    timeout_s: float = Field(default=30.0, ge=0, le=3600)
+
+
+class DrainResponse(_Model):
+    name: str
+    version: int
+    inflight: int
+    drained: bool
+
+
+class LeaseRequest(_Model):
+    holder: str
+    ttl_s: float = Field(default=300.0, gt=0, le=86400)
+
+
+class Lease(_Model):
+    name: str
+    holder: str
+    expires_in_s: float
+
+
+class ReplicaStatus(_Model):
+    replica_id: str
+    agent_url: str
+    engine_url: str | None
+    healthy: bool
+    inflight: int
+    detail: str | None = None
+
+
+class ReplicaList(_Model):
+    replicas: list[ReplicaStatus]
