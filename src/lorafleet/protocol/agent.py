@@ -111,7 +111,7 @@ class UploadStatus(_Model):
 
 
 class RegisterPathRequest(_Model):
-    """Shared filesystem transfer: the agent verifies ``path`` against ``manifest`` and ingests it."""
+    """Shared filesystem: the agent verifies ``path`` against ``manifest`` and ingests it."""
 
     manifest: Manifest
     path: str

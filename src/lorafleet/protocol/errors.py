@@ -1,6 +1,7 @@
 """The error envelope every lorafleet service answers with, and its stable code table.
 
-The body is vLLM's envelope, ``{"error": {"message", "type", "param", "code"}}``. ``code`` is a stable
+The body is vLLM's envelope, ``{"error": {"message", "type", "param", "code"}}``.
+``code`` is a stable
 string; the same string is sent in the ``X-Lorafleet-Error-Code`` header.
 """
 
