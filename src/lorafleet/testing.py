@@ -9,7 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_TARGETS", "make_peft_adapter", "make_peft_model", "merged_greedy"]
+__all__ = [
+    "DEFAULT_TARGETS",
+    "make_peft_adapter",
+    "make_peft_model",
+    "merged_greedy",
+    "merged_greedy_ids",
+]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -57,6 +63,20 @@ def merged_greedy(
     max_tokens: int = 8,
 ) -> str:
     """Greedy continuation of ``prompt`` by the base model with the adapter merged (float32)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    ids = merged_greedy_ids(base_dir, adapter_dir, prompt, max_tokens)
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def merged_greedy_ids(
+    base_dir: str | os.PathLike,
+    adapter_dir: str | os.PathLike | None,
+    prompt: str,
+    max_tokens: int = 8,
+) -> list[int]:
+    """Token ids of the greedy continuation with the adapter merged in transformers (float32)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,4 +91,4 @@ def merged_greedy(
         out = model.generate(
             ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id
         )
-    return tok.decode(out[0][ids.shape[1] :], skip_special_tokens=True)
+    return out[0][ids.shape[1] :].tolist()
