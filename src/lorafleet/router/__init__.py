@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible front door that routes by adapter version."""

@@ -1,9 +1,86 @@
-"""CLI for the router (placeholder until the component lands)."""
+"""``lorafleet router``: the adapter-aware, version-consistent front door."""
+
+from __future__ import annotations
+
+import os
 
 import click
 
+__all__ = ["command"]
+
 
 @click.command("router")
-def command() -> None:
-    """Not implemented yet."""
-    raise click.ClickException("the router is not implemented yet")
+@click.option("--agents", required=True, help="Comma-separated agent URLs, one per replica.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8200, show_default=True, type=int)
+@click.option(
+    "--control-token",
+    envvar="LORAFLEET_CONTROL_TOKEN",
+    default=None,
+    help="Bearer token for /v1/control/* (env LORAFLEET_CONTROL_TOKEN).",
+)
+@click.option(
+    "--api-key",
+    envvar="LORAFLEET_API_KEY",
+    default=None,
+    help="Inference key for the data plane (env LORAFLEET_API_KEY); optional.",
+)
+@click.option("--agent-token", default=None, help="Token to call agents (default: control token).")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Persist the alias table here (reloaded at startup).",
+)
+@click.option("--health-interval", default=0.5, show_default=True, type=float)
+@click.option("--log-level", default="warning", show_default=True)
+@click.option(
+    "--unsafe-resolve-at-forward",
+    type=float,
+    default=None,
+    hidden=True,
+    help="BROKEN ON PURPOSE (tests only): re-resolve the alias N s after arrival.",
+)
+def command(
+    agents: str,
+    host: str,
+    port: int,
+    control_token: str | None,
+    api_key: str | None,
+    agent_token: str | None,
+    state_dir: str | None,
+    health_interval: float,
+    log_level: str,
+    unsafe_resolve_at_forward: float | None,
+) -> None:
+    """Route OpenAI-style generation to replicas by adapter version."""
+    import uvicorn
+
+    from lorafleet.router.app import RouterConfig, create_app
+
+    urls = [u.strip() for u in agents.split(",") if u.strip()]
+    if not urls:
+        raise click.UsageError("--agents needs at least one URL")
+    if control_token is None and os.environ.get("LORAFLEET_CONTROL_TOKEN") == "":
+        control_token = None
+    config = RouterConfig(
+        agents=urls,
+        control_token=control_token or None,
+        api_key=api_key or None,
+        agent_token=agent_token or control_token or None,
+        state_dir=state_dir,
+        health_interval_s=health_interval,
+        unsafe_resolve_at_forward=unsafe_resolve_at_forward,
+    )
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=log_level,
+        timeout_keep_alive=60,
+    )

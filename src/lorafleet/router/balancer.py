@@ -1,0 +1,149 @@
+"""Replicas, in-flight accounting and replica choice (fewest outstanding, sticky sessions).
+
+Everything here is synchronous on purpose: resolving a request and counting it in flight happen
+with no ``await`` in between, so a drain that starts after an alias flip sees every request that
+resolved to the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["Balancer", "Replica"]
+
+# Sticky sessions are a cache: old ones fall out first.
+MAX_SESSIONS = 100_000
+
+
+@dataclass(eq=False)
+class Replica:
+    """One inference replica as learned from its agent."""
+
+    agent_url: str
+    replica_id: str | None = None
+    engine_url: str | None = None
+    base_model: str | None = None
+    healthy: bool = False
+    inflight: int = 0
+    detail: str | None = "not polled yet"
+    # Set when a forward failed to connect; cleared by the next good health poll.
+    suspect: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.suspect and self.engine_url is not None
+
+
+@dataclass
+class _Drain:
+    count: int = 0
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+
+class Balancer:
+    """The replica set plus exact in-flight counts per replica and per (name, version)."""
+
+    def __init__(self, agent_urls: list[str]) -> None:
+        self.replicas: list[Replica] = [Replica(agent_url=u.rstrip("/")) for u in agent_urls]
+        self.by_id: dict[str, Replica] = {}
+        self.sessions: OrderedDict[str, Replica] = OrderedDict()
+        self.inflight: dict[tuple[str | None, int | None], _Drain] = {}
+        self._rr = 0
+
+    # --- membership ----------------------------------------------------------------------------
+
+    def reindex(self) -> None:
+        self.by_id = {r.replica_id: r for r in self.replicas if r.replica_id}
+
+    def base_models(self) -> set[str]:
+        return {r.base_model for r in self.replicas if r.base_model}
+
+    # --- choice --------------------------------------------------------------------------------
+
+    def candidates(
+        self, replica_ids: list[str] | None, base_model: str | None = None
+    ) -> list[Replica]:
+        """Routable replicas among ``replica_ids`` (None: any serving ``base_model``)."""
+        if replica_ids is None:
+            return [
+                r
+                for r in self.replicas
+                if r.routable and (base_model is None or r.base_model == base_model)
+            ]
+        out = []
+        for rid in replica_ids:
+            r = self.by_id.get(rid)
+            if r is not None and r.routable:
+                out.append(r)
+        return out
+
+    def pick(
+        self, cands: list[Replica], session: str | None = None, exclude: Replica | None = None
+    ) -> Replica | None:
+        """Fewest outstanding requests; a session sticks while its replica is a candidate."""
+        if exclude is not None:
+            cands = [r for r in cands if r is not exclude]
+        if not cands:
+            return None
+        if session is not None:
+            r = self.sessions.get(session)
+            if r is not None and r in cands:
+                self.sessions.move_to_end(session)
+                return r
+        if len(cands) == 1:
+            best = cands[0]
+        else:
+            # Rotate the starting point so ties spread instead of piling on the first replica.
+            self._rr = (self._rr + 1) % len(cands)
+            best = cands[self._rr]
+            for r in cands:
+                if r.inflight < best.inflight:
+                    best = r
+        if session is not None:
+            self.sessions[session] = best
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        return best
+
+    def forget_session(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def begin(self, key: tuple[str | None, int | None]) -> None:
+        d = self.inflight.get(key)
+        if d is None:
+            d = self.inflight[key] = _Drain()
+        d.count += 1
+
+    def end(self, key: tuple[str | None, int | None]) -> None:
+        d = self.inflight[key]
+        d.count -= 1
+        if d.count == 0:
+            for w in d.waiters:
+                if not w.done():
+                    w.set_result(None)
+            del self.inflight[key]
+
+    def count(self, name: str | None, version: int | None) -> int:
+        d = self.inflight.get((name, version))
+        return d.count if d else 0
+
+    async def wait_drained(self, name: str, version: int, timeout_s: float) -> int:
+        """Wait until (name, version) has nothing in flight or ``timeout_s`` passes; the count."""
+        d = self.inflight.get((name, version))
+        if d is None or d.count == 0:
+            return 0
+        fut = asyncio.get_running_loop().create_future()
+        d.waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in d.waiters:
+                d.waiters.remove(fut)
+        return self.count(name, version)

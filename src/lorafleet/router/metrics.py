@@ -1,0 +1,64 @@
+"""Prometheus metrics for the router, with label children cached off the hot path."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RouterMetrics"]
+
+
+class RouterMetrics:
+    """Requests and latency by adapter and version, in-flight gauges, replica health."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "lorafleet_router_requests",
+            "Routed requests by adapter, version and status",
+            ["adapter", "version", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "lorafleet_router_request_seconds",
+            "Routed request latency (to the last byte) by adapter and version",
+            ["adapter", "version"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "lorafleet_router_inflight",
+            "Requests in flight by adapter and version",
+            ["adapter", "version"],
+            registry=self.registry,
+        )
+        self.replica_healthy = Gauge(
+            "lorafleet_router_replica_healthy",
+            "1 when the replica is in rotation",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.replica_inflight = Gauge(
+            "lorafleet_router_replica_inflight",
+            "Requests in flight per replica",
+            ["replica"],
+            registry=self.registry,
+        )
+        self._children: dict[tuple, tuple] = {}
+        self._counters: dict[tuple, Counter] = {}
+
+    def children(self, adapter: str | None, version: int | None) -> tuple:
+        """(latency histogram, in-flight gauge) for this key, cached."""
+        key = (adapter, version)
+        got = self._children.get(key)
+        if got is None:
+            a, v = adapter or "", "" if version is None else str(version)
+            got = self._children[key] = (self.latency.labels(a, v), self.inflight.labels(a, v))
+        return got
+
+    def count(self, adapter: str | None, version: int | None, status: int) -> None:
+        key = (adapter, version, status)
+        c = self._counters.get(key)
+        if c is None:
+            a, v = adapter or "", "" if version is None else str(version)
+            c = self._counters[key] = self.requests.labels(a, v, str(status))
+        c.inc()

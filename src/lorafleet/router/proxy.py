@@ -1,0 +1,439 @@
+"""The data plane's hot path as a bare ASGI handler: resolve, pick, forward, tag.
+
+Why not FastAPI here: routing, dependency injection and response classes cost tens of
+microseconds per request, and this path has a latency budget of a few hundred. The handler reads
+the body, resolves ``model`` against the alias table **at arrival**, counts the request in flight
+(no ``await`` between the two, see balancer.py), forwards it over a pooled aiohttp session and
+streams the answer back chunk by chunk. JSON bodies are tagged by splicing bytes, not re-encoding.
+
+Native ``POST /generate`` (SkyRL's shape: ``{"model", "token_ids", "sampling_params"}``) maps to
+the engine's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, and answers
+``{"model", "choices": [{"index", "token_ids", "text", "finish_reason", "logprobs"}]}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorCode, error_body
+from lorafleet.protocol.router import TAG_FIELD
+from lorafleet.router.balancer import Balancer, Replica
+from lorafleet.router.metrics import RouterMetrics
+from lorafleet.router.table import AliasStore
+
+__all__ = ["MAX_BODY", "Proxy"]
+
+MAX_BODY = 32 << 20
+_DONE = b"data: [DONE]"
+_MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# No response byte came back: safe to send the request to another replica.
+_CONNECT_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
+_JSON_CT = (b"content-type", b"application/json")
+_FWD_HEADERS = {"Content-Type": "application/json"}
+_H_ADAPTER = b"x-lorafleet-adapter"
+_H_VERSION = b"x-lorafleet-adapter-version"
+_H_REPLICA = b"x-lorafleet-replica"
+_STREAM_OBJECT = {
+    "/v1/completions": "text_completion",
+    "/v1/chat/completions": "chat.completion.chunk",
+}
+
+
+@dataclass(slots=True)
+class Route:
+    """What a request resolved to at arrival."""
+
+    alias: str | None
+    adapter: str | None
+    version: int | None
+    engine_name: str | None
+    replicas: list[str] | None
+    base_model: str | None
+
+
+class _ClientError(Exception):
+    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        self.code, self.message, self.headers = code, message, headers or {}
+
+
+def _esc(s: str) -> bytes:
+    """``s`` as the inside of a JSON string."""
+    return json.dumps(s)[1:-1].encode()
+
+
+async def send_error(send, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    status = STATUS_BY_CODE.get(code, 500)
+    body = json.dumps(error_body(code, message)).encode()
+    hdrs = [_JSON_CT, (b"content-length", str(len(body)).encode())]
+    hdrs.append((ERROR_CODE_HEADER.lower().encode(), code.encode()))
+    for k, v in (headers or {}).items():
+        hdrs.append((k.lower().encode(), v.encode()))
+    if status == 503 and not any(k == b"retry-after" for k, _ in hdrs):
+        hdrs.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Proxy:
+    """Routes OpenAI-style requests to replicas by adapter version."""
+
+    def __init__(
+        self,
+        store: AliasStore,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        *,
+        api_key: str | None = None,
+        unsafe_resolve_at_forward: float | None = None,
+    ) -> None:
+        self.store = store
+        self.balancer = balancer
+        self.metrics = metrics
+        self.session = session
+        self._key = api_key.encode() if api_key else None
+        # Deliberately broken mode for the consistency checker's end-to-end test: re-read the
+        # alias table this many seconds after arrival and forward to whatever is active then,
+        # while tagging and counting the arrival version (a time-of-check/time-of-use bug).
+        self.unsafe_delay = unsafe_resolve_at_forward
+
+    # --- entry ---------------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope["path"]
+        t0 = time.perf_counter()
+        try:
+            if self._key is not None:
+                self._authorize(scope)
+            body = await self._read_body(receive)
+            try:
+                req = json.loads(body)
+            except ValueError as exc:
+                raise _ClientError(ErrorCode.INVALID_REQUEST, f"body is not JSON: {exc}") from exc
+            if not isinstance(req, dict):
+                raise _ClientError(ErrorCode.INVALID_REQUEST, "body must be a JSON object")
+            session = None
+            for k, v in scope["headers"]:
+                if k == b"x-session-id":
+                    session = v.decode("latin-1")
+                    break
+            route = self.resolve(req.get("model"))
+            if path == "/generate":
+                data, fwd_path = self._generate_body(req, route), "/v1/completions"
+            else:
+                fwd_path = path
+                if route.engine_name is not None:
+                    req["model"] = route.engine_name
+                    data = json.dumps(req).encode()
+                else:
+                    data = body  # base model: pass the client's bytes through untouched
+            cands = self.balancer.candidates(route.replicas, route.base_model)
+            if not cands:
+                what = f"{route.adapter} v{route.version}" if route.adapter else route.alias
+                raise _ClientError(
+                    ErrorCode.NO_REPLICA, f"no healthy replica serves {what!r} right now"
+                )
+        except _ClientError as exc:
+            await send_error(send, exc.code, exc.message, exc.headers)
+            return
+        key = (route.adapter, route.version)
+        self.balancer.begin(key)  # same tick as resolve(): no await in between
+        status = 0
+        try:
+            if self.unsafe_delay is not None and route.adapter is not None:
+                data, cands = await self._unsafe_reresolve(req, route, cands)
+            status = await self._forward(
+                scope,
+                receive,
+                send,
+                route,
+                fwd_path,
+                data,
+                cands,
+                session,
+                stream=req.get("stream") is True and path != "/generate",
+                generate=path == "/generate",
+            )
+        finally:
+            self.balancer.end(key)
+            hist, _ = self.metrics.children(route.adapter, route.version)
+            hist.observe(time.perf_counter() - t0)
+            self.metrics.count(route.adapter, route.version, status)
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def _authorize(self, scope) -> None:
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                scheme, _, tok = v.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(tok.strip(), self._key):
+                    return
+                raise _ClientError(ErrorCode.FORBIDDEN, "invalid API key")
+        raise _ClientError(
+            ErrorCode.UNAUTHORIZED,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
+
+    @staticmethod
+    async def _read_body(receive) -> bytes:
+        msg = await receive()
+        body = msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+        buf = bytearray(body)
+        while msg.get("more_body"):
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _ClientError(ErrorCode.INVALID_REQUEST, "client went away")
+            buf += msg.get("body", b"")
+            if len(buf) > MAX_BODY:
+                raise _ClientError(ErrorCode.BODY_TOO_LARGE, f"body over {MAX_BODY} bytes")
+        return bytes(buf)
+
+    def resolve(self, model: object) -> Route:
+        """``model`` -> Route, at arrival. Raises _ClientError 404 for an unknown name."""
+        if model is None:
+            return Route(None, None, None, None, None, None)
+        if not isinstance(model, str):
+            raise _ClientError(ErrorCode.INVALID_REQUEST, "model must be a string")
+        entry = self.store.aliases.get(model)
+        if entry is not None:
+            return Route(model, model, entry.version, entry.engine_name, entry.replicas, None)
+        if model in self.balancer.base_models():
+            return Route(model, None, None, None, None, model)
+        raise _ClientError(ErrorCode.NOT_FOUND, f"The model `{model}` does not exist.")
+
+    async def _unsafe_reresolve(self, req: dict, route: Route, cands: list[Replica]):
+        await asyncio.sleep(self.unsafe_delay or 0)
+        entry = self.store.aliases.get(route.adapter or "")
+        if entry is None:
+            return json.dumps(req).encode(), cands
+        req["model"] = entry.engine_name
+        return json.dumps(req).encode(), self.balancer.candidates(entry.replicas) or cands
+
+    @staticmethod
+    def _generate_body(req: dict, route: Route) -> bytes:
+        ids = req.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise _ClientError(ErrorCode.INVALID_REQUEST, "token_ids must be a non-empty int list")
+        if req.get("stream"):
+            raise _ClientError(ErrorCode.INVALID_REQUEST, "/generate does not stream")
+        sp = req.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise _ClientError(ErrorCode.INVALID_REQUEST, "sampling_params must be an object")
+        body = {**sp, "prompt": ids, "return_token_ids": True}
+        model = route.engine_name or route.alias
+        if model is not None:
+            body["model"] = model
+        return json.dumps(body).encode()
+
+    def _tag(self, route: Route, replica: Replica, engine_model: bytes | None) -> bytes:
+        tag = {"adapter": route.adapter, "version": route.version, "replica": replica.replica_id}
+        if engine_model is not None:
+            tag["engine_model"] = engine_model.decode("utf-8", "replace")
+        return json.dumps(tag, separators=(",", ":")).encode()
+
+    @staticmethod
+    def _tag_headers(route: Route, replica: Replica) -> list[tuple[bytes, bytes]]:
+        return [
+            (_H_ADAPTER, (route.adapter or "").encode()),
+            (_H_VERSION, b"" if route.version is None else str(route.version).encode()),
+            (_H_REPLICA, (replica.replica_id or "").encode()),
+        ]
+
+    async def _forward(
+        self,
+        scope,
+        receive,
+        send,
+        route: Route,
+        path: str,
+        data: bytes,
+        cands: list[Replica],
+        session: str | None,
+        *,
+        stream: bool,
+        generate: bool,
+    ) -> int:
+        """Send to one replica, once more to another if the connection failed; the status."""
+        failed: Replica | None = None
+        for _ in range(2):
+            replica = self.balancer.pick(cands, session, exclude=failed)
+            if replica is None:
+                break
+            replica.inflight += 1
+            try:
+                try:
+                    resp = await self.session.post(
+                        replica.engine_url + path, data=data, headers=_FWD_HEADERS
+                    )
+                except _CONNECT_ERRORS:
+                    # Nothing came back: out of rotation until its agent says healthy again.
+                    replica.suspect = True
+                    failed = replica
+                    continue
+                try:
+                    ctype = resp.headers.get("Content-Type", "")
+                    if stream and resp.status == 200 and "text/event-stream" in ctype:
+                        await self._stream(receive, send, route, replica, resp, scope["path"])
+                    else:
+                        await self._whole(send, route, replica, resp, generate)
+                    return resp.status
+                finally:
+                    resp.release()
+            finally:
+                replica.inflight -= 1
+        await send_error(
+            send,
+            ErrorCode.ENGINE_UNAVAILABLE,
+            "could not connect to a replica" if failed else "no healthy replica right now",
+        )
+        return 503
+
+    async def _whole(
+        self, send, route: Route, replica: Replica, resp: aiohttp.ClientResponse, generate: bool
+    ) -> None:
+        body = await resp.read()
+        headers = self._tag_headers(route, replica)
+        ctype = resp.headers.get("Content-Type", "application/json")
+        if resp.status == 200 and ctype.startswith("application/json"):
+            if generate:
+                body = self._generate_answer(body, route)
+            m = _MODEL_RE.search(body)
+            engine_model = m.group(1) if m else None
+            if (
+                m
+                and route.alias is not None
+                and route.engine_name is not None
+                and engine_model == route.engine_name.encode()
+            ):
+                body = body[: m.start(1)] + _esc(route.alias) + body[m.end(1) :]
+            body = body.rstrip()
+            if body.endswith(b"}"):
+                sep = b"" if body[:-1].rstrip().endswith(b"{") else b","
+                tag = self._tag(route, replica, engine_model)
+                body = body[:-1] + sep + b'"' + TAG_FIELD.encode() + b'":' + tag + b"}"
+        headers.append((b"content-type", ctype.encode()))
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    def _generate_answer(body: bytes, route: Route) -> bytes:
+        out = json.loads(body)
+        choices = [
+            {
+                "index": c.get("index", i),
+                "token_ids": c.get("token_ids"),
+                "text": c.get("text"),
+                "finish_reason": c.get("finish_reason"),
+                "logprobs": c.get("logprobs"),
+            }
+            for i, c in enumerate(out.get("choices") or [])
+        ]
+        return json.dumps({"model": out.get("model"), "choices": choices}).encode()
+
+    async def _stream(
+        self,
+        receive,
+        send,
+        route: Route,
+        replica: Replica,
+        resp: aiohttp.ClientResponse,
+        path: str,
+    ) -> None:
+        headers = self._tag_headers(route, replica)
+        headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+        headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        gone = False
+
+        async def watch() -> None:
+            # The client left: close the upstream so the engine aborts the generation.
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            resp.close()
+
+        watcher = asyncio.create_task(watch())
+        rewrite = route.engine_name is not None and route.alias is not None
+        if rewrite:
+            eng, ali = _esc(route.engine_name), _esc(route.alias)
+            pairs = [
+                (b'"model":"' + eng + b'"', b'"model":"' + ali + b'"'),
+                (b'"model": "' + eng + b'"', b'"model": "' + ali + b'"'),
+            ]
+        engine_model: bytes | None = None
+        pending = b""
+        tagged = False
+        try:
+            async for chunk in resp.content.iter_any():
+                if engine_model is None:
+                    m = _MODEL_RE.search(chunk)
+                    if m:
+                        engine_model = m.group(1)
+                if rewrite:
+                    for a, b in pairs:
+                        chunk = chunk.replace(a, b)
+                if tagged:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    continue
+                buf = pending + chunk if pending else chunk
+                i = buf.find(_DONE)
+                if i >= 0:
+                    tag = self._tag_event(route, replica, engine_model, path)
+                    buf = buf[:i] + tag + buf[i:]
+                    tagged, pending = True, b""
+                else:
+                    # Hold back only a tail that could be the start of "data: [DONE]".
+                    keep = _partial_suffix(buf)
+                    buf, pending = (buf[:-keep], buf[-keep:]) if keep else (buf, b"")
+                if buf:
+                    await send({"type": "http.response.body", "body": buf, "more_body": True})
+            if not tagged:
+                tail = pending + self._tag_event(route, replica, engine_model, path)
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            if not gone:
+                raise
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    def _tag_event(
+        self, route: Route, replica: Replica, engine_model: bytes | None, path: str
+    ) -> bytes:
+        head = {
+            "id": "lorafleet-tag",
+            "object": _STREAM_OBJECT.get(path, "text_completion"),
+            "created": int(time.time()),
+            "model": route.alias,
+            "choices": [],
+        }
+        doc = json.dumps(head, separators=(",", ":")).encode()
+        tag = self._tag(route, replica, engine_model)
+        return b"data: " + doc[:-1] + b',"' + TAG_FIELD.encode() + b'":' + tag + b"}\n\n"
+
+
+def _partial_suffix(buf: bytes) -> int:
+    """Length of the longest proper prefix of ``data: [DONE]`` that ``buf`` ends with."""
+    for n in range(min(len(_DONE) - 1, len(buf)), 0, -1):
+        if buf.endswith(_DONE[:n]):
+            return n
+    return 0

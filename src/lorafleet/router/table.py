@@ -1,0 +1,209 @@
+"""The alias table: which version of each adapter name is active, its flip log, and leases.
+
+Pure state plus one durable file. Every mutation builds the new state, writes it to disk
+(temp file + fsync + ``os.replace``) and only then swaps it in, so what a client was told is
+what survives a restart. Errors are ``ServiceError``s with the protocol's codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet._service import ServiceError
+from lorafleet.protocol.errors import ErrorCode
+from lorafleet.protocol.router import AliasEntry, AliasEvent, AliasTable, Lease
+
+__all__ = ["STATE_FILE", "AliasStore", "LeaseRecord"]
+
+STATE_FILE = "router-state.json"
+# The log is for audits and the consistency checker; cap it so the file stays small.
+MAX_LOG = 10_000
+
+_UNSET = object()
+
+
+@dataclass
+class LeaseRecord:
+    holder: str
+    expires_at: float
+    """Wall-clock seconds, so a persisted lease means the same thing after a restart."""
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so a crash leaves either the old or the new file, never half."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # make the rename itself durable
+    finally:
+        os.close(dfd)
+
+
+class AliasStore:
+    """Aliases, the flip log and leases, optionally persisted in ``state_dir``."""
+
+    def __init__(self, state_dir: str | os.PathLike | None = None) -> None:
+        self.aliases: dict[str, AliasEntry] = {}
+        self.log: list[AliasEvent] = []
+        self.seq = 0
+        self.leases: dict[str, LeaseRecord] = {}
+        self.path = Path(state_dir) / STATE_FILE if state_dir else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._load()
+
+    # --- persistence ---------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        assert self.path is not None
+        raw = json.loads(self.path.read_text())
+        self.aliases = {k: AliasEntry.model_validate(v) for k, v in raw["aliases"].items()}
+        self.log = [AliasEvent.model_validate(e) for e in raw["log"]]
+        self.seq = int(raw["seq"])
+        self.leases = {k: LeaseRecord(**v) for k, v in raw.get("leases", {}).items()}
+
+    def _persist(
+        self,
+        aliases: dict[str, AliasEntry],
+        log: list[AliasEvent],
+        seq: int,
+        leases: dict[str, LeaseRecord],
+    ) -> None:
+        if self.path is None:
+            return
+        doc = {
+            "aliases": {k: v.model_dump() for k, v in aliases.items()},
+            "log": [e.model_dump() for e in log],
+            "seq": seq,
+            "leases": {
+                k: {"holder": v.holder, "expires_at": v.expires_at} for k, v in leases.items()
+            },
+        }
+        _atomic_write(self.path, json.dumps(doc, separators=(",", ":")).encode())
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def table(self) -> AliasTable:
+        return AliasTable(aliases=dict(self.aliases), log=list(self.log))
+
+    def lease_of(self, name: str, now: float | None = None) -> LeaseRecord | None:
+        """The unexpired lease on ``name``, if any."""
+        lease = self.leases.get(name)
+        if lease is None or lease.expires_at <= (time.time() if now is None else now):
+            return None
+        return lease
+
+    def _check_lease(self, name: str, holder: str | None) -> None:
+        lease = self.lease_of(name)
+        if lease is not None and lease.holder != holder:
+            raise ServiceError(
+                ErrorCode.PUBLISH_IN_PROGRESS,
+                f"{name!r} is leased by {lease.holder!r} "
+                f"for another {lease.expires_at - time.time():.1f}s",
+            )
+
+    # --- mutations -----------------------------------------------------------------------------
+
+    def _append(self, name: str, version: int | None, engine_name: str | None) -> AliasEvent:
+        seq = self.seq + 1
+        return AliasEvent(
+            seq=seq, ts=time.time(), name=name, version=version, engine_name=engine_name
+        )
+
+    def set_alias(
+        self,
+        name: str,
+        version: int,
+        engine_name: str,
+        replicas: list[str],
+        *,
+        expected_version: object = _UNSET,
+        lease_holder: str | None = None,
+    ) -> AliasEntry:
+        """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
+
+        Raises ServiceError: ``publish_in_progress`` (someone else holds the lease),
+        ``version_conflict`` (CAS failed, or ``version`` is not newer than the active one).
+        """
+        self._check_lease(name, lease_holder)
+        current = self.aliases.get(name)
+        active = current.version if current else None
+        if expected_version is not _UNSET and expected_version != active:
+            raise ServiceError(
+                ErrorCode.VERSION_CONFLICT,
+                f"{name!r}: expected active version {expected_version}, found {active}",
+                param="expected_version",
+            )
+        if active is not None and version <= active:
+            raise ServiceError(
+                ErrorCode.VERSION_CONFLICT,
+                f"{name!r}: version {version} is not newer than the active version {active}",
+                param="version",
+            )
+        event = self._append(name, version, engine_name)
+        entry = AliasEntry(
+            name=name,
+            version=version,
+            engine_name=engine_name,
+            replicas=list(replicas),
+            seq=event.seq,
+        )
+        aliases = {**self.aliases, name: entry}
+        log = [*self.log, event][-MAX_LOG:]
+        self._persist(aliases, log, event.seq, self.leases)
+        # Swap after the write: what the caller is told is what a restart will find.
+        # The timestamp is taken at the swap, the instant new requests start resolving to it.
+        event.ts = time.time()
+        self.aliases, self.log, self.seq = aliases, log, event.seq
+        return entry
+
+    def delete_alias(self, name: str, lease_holder: str | None = None) -> AliasEvent:
+        """Remove ``name``. Raises ServiceError ``not_found`` / ``publish_in_progress``."""
+        if name not in self.aliases:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no alias {name!r}")
+        self._check_lease(name, lease_holder)
+        event = self._append(name, None, None)
+        aliases = {k: v for k, v in self.aliases.items() if k != name}
+        log = [*self.log, event][-MAX_LOG:]
+        self._persist(aliases, log, event.seq, self.leases)
+        event.ts = time.time()
+        self.aliases, self.log, self.seq = aliases, log, event.seq
+        return event
+
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        """Grant or renew; ServiceError ``publish_in_progress`` if another holder has it."""
+        self._check_lease(name, holder)
+        leases = {**self.leases, name: LeaseRecord(holder=holder, expires_at=time.time() + ttl_s)}
+        self._persist(self.aliases, self.log, self.seq, leases)
+        self.leases = leases
+        return Lease(name=name, holder=holder, expires_in_s=ttl_s)
+
+    def release_lease(self, name: str, holder: str) -> None:
+        """Release ``holder``'s lease; idempotent. ``publish_in_progress`` if another holds it."""
+        lease = self.lease_of(name)
+        if lease is None:
+            if name in self.leases:  # expired: forget it quietly
+                self.leases = {k: v for k, v in self.leases.items() if k != name}
+            return
+        if lease.holder != holder:
+            self._check_lease(name, holder)
+        leases = {k: v for k, v in self.leases.items() if k != name}
+        self._persist(self.aliases, self.log, self.seq, leases)
+        self.leases = leases
