@@ -7,6 +7,7 @@ serialized to safetensors bytes and never touch the trainer's disk.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import os
@@ -50,7 +51,7 @@ def peft_config_dict(peft_config: Any) -> dict[str, Any]:
             return [clean(x) for x in v]
         if isinstance(v, dict):
             return {str(k): clean(x) for k, x in v.items()}
-        if hasattr(v, "value") and not isinstance(v, int | float | str | bool):
+        if isinstance(v, enum.Enum):  # PeftType and TaskType are str enums
             return v.value
         return v
 
