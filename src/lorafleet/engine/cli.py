@@ -1,9 +1,74 @@
-"""CLI for the engine (placeholder until the component lands)."""
+"""``lorafleet engine``: serve a model on CPU with runtime LoRA, speaking vLLM's (and SGLang's) API.
+
+torch, transformers and peft are imported inside the command, so ``lorafleet`` itself imports
+without them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import click
 
+__all__ = ["command"]
+
+
+def _threads() -> int:
+    # The tiny model's matmuls are too small to gain from many threads, and the engine shares the
+    # machine with its clients; two threads at most unless told otherwise.
+    env = os.environ.get("LORAFLEET_ENGINE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(2, (os.cpu_count() or 1) // 2 or 1))
+
 
 @click.command("engine")
-def command() -> None:
-    """Not implemented yet."""
-    raise click.ClickException("the engine is not implemented yet")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Directory of a transformers causal LM (with tokenizer).",
+)
+@click.option("--served-model-name", default=None, help="Model id clients use (default: dir name).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--max-loras", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-model-len", default=None, type=click.IntRange(min=1))
+@click.option(
+    "--api-key", default=None, envvar="LORAFLEET_ENGINE_API_KEY", help="Bearer for /v1/*."
+)
+@click.option("--log-level", default="warning", show_default=True)
+def command(
+    model_dir: str,
+    served_model_name: str | None,
+    host: str,
+    port: int,
+    max_loras: int,
+    max_lora_rank: int,
+    max_model_len: int | None,
+    api_key: str | None,
+    log_level: str,
+) -> None:
+    """Run the reference engine: a CPU inference server with runtime LoRA (torch + PEFT)."""
+    import torch
+    import uvicorn
+
+    from lorafleet.engine._runtime import Runtime
+    from lorafleet.engine.app import create_app
+
+    torch.set_num_threads(_threads())
+    runtime = Runtime(
+        model_dir,
+        served_model_name=served_model_name or Path(model_dir).resolve().name,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_model_len=max_model_len,
+    )
+    app = create_app(runtime, api_key=api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    finally:
+        runtime.close()
