@@ -6,15 +6,24 @@ Used by the tests, the benchmarks and the demo. Needs the ``engine`` extra (torc
 from __future__ import annotations
 
 import os
+import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
+
 __all__ = [
     "DEFAULT_TARGETS",
+    "Procs",
+    "Server",
     "make_peft_adapter",
     "make_peft_model",
     "merged_greedy",
     "merged_greedy_ids",
+    "start_agent",
+    "start_reference_engine",
+    "start_router",
 ]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -92,3 +101,146 @@ def merged_greedy_ids(
             ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id
         )
     return out[0][ids.shape[1] :].tolist()
+
+
+# -- real server processes on loopback, for tests and benchmarks ---------------------------
+
+
+class Procs:
+    """Starts processes and stops every one of them at teardown."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.started: list[ManagedProcess] = []
+
+    def start(
+        self,
+        argv: list[str],
+        *,
+        ready_url: str | None,
+        name: str,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        ready_status: int = 200,
+    ) -> ManagedProcess:
+        p = ManagedProcess(
+            argv,
+            ready_url=ready_url,
+            name=name,
+            env=env,
+            log_path=self.logdir / f"{name}-{len(self.started)}.log",
+        )
+        self.started.append(p)
+        p.wait_ready(timeout, ready_status=ready_status)
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.started):
+            p.stop()
+        self.started.clear()
+
+
+@dataclass
+class Server:
+    url: str
+    proc: ManagedProcess
+    port: int
+    model: str = "tiny"
+    token: str | None = None
+    data_dir: Path | None = None
+    argv: list[str] | None = None
+
+
+def start_reference_engine(
+    procs: Procs,
+    model: Path,
+    *,
+    max_loras: int = 8,
+    max_lora_rank: int = 64,
+    port: int | None = None,
+) -> Server:
+    """``lorafleet engine`` on the tiny model, ready on /health."""
+    port = port or free_port()
+    argv = lorafleet_argv(
+        "engine",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-loras",
+        str(max_loras),
+        "--max-lora-rank",
+        str(max_lora_rank),
+    )
+    url = f"http://127.0.0.1:{port}"
+    proc = procs.start(argv, ready_url=url + "/health", name="engine", timeout=60)
+    return Server(url=url, proc=proc, port=port, argv=argv)
+
+
+def start_agent(
+    procs: Procs,
+    engine: Server,
+    data_dir: Path,
+    *,
+    kind: str = "reference",
+    token: str | None = None,
+    port: int | None = None,
+    extra: list[str] | None = None,
+    timeout: float = 30,
+) -> Server:
+    """``lorafleet agent`` in front of ``engine``, ready when /health answers 200."""
+    port = port or free_port()
+    token = token or secrets.token_urlsafe(16)
+    argv = lorafleet_argv(
+        "agent",
+        "--engine",
+        kind,
+        "--engine-url",
+        engine.url,
+        "--data-dir",
+        str(data_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--control-token",
+        token,
+        *(extra or []),
+    )
+    url = f"http://127.0.0.1:{port}"
+    proc = procs.start(argv, ready_url=url + "/health", name="agent", timeout=timeout)
+    return Server(url=url, proc=proc, port=port, token=token, data_dir=data_dir, argv=argv)
+
+
+def start_router(
+    procs: Procs,
+    agents: list[Server],
+    state_dir: Path,
+    *,
+    token: str,
+    port: int | None = None,
+    extra: list[str] | None = None,
+) -> Server:
+    """``lorafleet router`` over ``agents``, ready on /health."""
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = lorafleet_argv(
+        "router",
+        "--agents",
+        ",".join(a.url for a in agents),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--control-token",
+        token,
+        "--state-dir",
+        str(state_dir),
+        *(extra or []),
+    )
+    proc = procs.start(argv, ready_url=url + "/health", name="router", timeout=30)
+    return Server(url=url, proc=proc, port=port, token=token, data_dir=state_dir, argv=argv)
