@@ -1,0 +1,142 @@
+"""``<data-dir>/fleet.json``: how ``lorafleet status`` and ``publish --fleet`` find a fleet.
+
+Written by ``lorafleet up`` (and the demo) with mode 0600, since it holds the control token and the
+inference key. Format (``format`` is bumped on incompatible changes)::
+
+    {
+      "format": 1, "pid": 4242, "started_at": 1700000000.0, "data_dir": "/abs/.lorafleet",
+      "router_url": "http://127.0.0.1:PORT", "router_pid": 4250,
+      "control_token": "...", "api_key": "..." | null,
+      "model": "/abs/model", "served_model_name": "tiny",
+      "replicas": [{"engine": "reference", "engine_url": "...", "engine_pid": 4243 | null,
+                    "agent_url": "...", "agent_pid": 4245}]
+    }
+
+Torch-free: the publisher CLI imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FLEET_FILE",
+    "FORMAT",
+    "FleetInfo",
+    "FleetNotFound",
+    "ReplicaInfo",
+    "pid_alive",
+    "read_fleet_file",
+    "remove_fleet_file",
+    "write_fleet_file",
+]
+
+FLEET_FILE = "fleet.json"
+FORMAT = 1
+
+
+class FleetNotFound(FileNotFoundError):
+    """No readable fleet.json in the data directory."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    engine: str
+    engine_url: str
+    agent_url: str
+    agent_pid: int | None = None
+    engine_pid: int | None = None
+    """None when lorafleet did not start the engine (vLLM/SGLang given by URL)."""
+
+
+@dataclass(frozen=True)
+class FleetInfo:
+    data_dir: str
+    router_url: str
+    control_token: str
+    api_key: str | None
+    model: str
+    served_model_name: str
+    replicas: list[ReplicaInfo] = field(default_factory=list)
+    pid: int | None = None
+    router_pid: int | None = None
+    started_at: float | None = None
+    format: int = FORMAT
+
+    @property
+    def agent_urls(self) -> list[str]:
+        return [r.agent_url for r in self.replicas]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> FleetInfo:
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"unsupported fleet file format {raw.get('format')!r}")
+        raw = dict(raw)
+        raw["replicas"] = [ReplicaInfo(**r) for r in raw.get("replicas", [])]
+        return cls(**raw)
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process with ``pid`` exists (signal 0 probes without touching it)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def write_fleet_file(info: FleetInfo, data_dir: str | os.PathLike) -> Path:
+    """Write ``fleet.json`` atomically, created 0600 (it holds secrets) before any byte lands."""
+    d = Path(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / FLEET_FILE
+    tmp = d / f".{FLEET_FILE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info.to_json(), f, indent=2)
+        f.write("\n")
+    os.chmod(tmp, 0o600)  # O_CREAT honours umask only downwards; make it exact
+    os.replace(tmp, path)
+    return path
+
+
+def read_fleet_file(data_dir: str | os.PathLike) -> FleetInfo:
+    """Read ``<data_dir>/fleet.json``.
+
+    Raises:
+        FleetNotFound: no fleet file there (no fleet was started with this data directory).
+        ValueError: the file is not a fleet file of a supported format.
+    """
+    path = Path(data_dir) / FLEET_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise FleetNotFound(f"no fleet at {path} (start one with `lorafleet up`)") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    return FleetInfo.from_json(raw)
+
+
+def remove_fleet_file(data_dir: str | os.PathLike, *, owner_pid: int | None = None) -> None:
+    """Remove ``fleet.json`` (only if it still names ``owner_pid``, when given)."""
+    path = Path(data_dir) / FLEET_FILE
+    if owner_pid is not None:
+        try:
+            if json.loads(path.read_text()).get("pid") != owner_pid:
+                return
+        except (OSError, ValueError):
+            return
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()

@@ -1,0 +1,202 @@
+"""``lorafleet status``: ask a running fleet how it is, and render it with rich tables.
+
+Collection and rendering are separate: ``collect_status`` returns plain data (also printed by
+``--json``), ``render_status`` turns it into tables. A component that does not answer is shown as
+such, never as an exception.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from lorafleet.fleet.state import FleetInfo, pid_alive
+
+__all__ = ["FleetStatus", "ReplicaView", "collect_status", "render_status"]
+
+_TIMEOUT = 3.0
+_GAUGE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<v>\S+)$")
+
+
+@dataclass
+class ReplicaView:
+    index: int
+    engine: str
+    agent_url: str
+    engine_url: str
+    replica_id: str | None = None
+    healthy: bool = False
+    health_detail: str | None = None
+    inflight: int | None = None
+    adapters: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class FleetStatus:
+    router_url: str
+    router_healthy: bool
+    up_pid: int | None
+    up_alive: bool
+    replicas: list[ReplicaView]
+    aliases: list[dict[str, Any]]
+    inflight_total: int | None
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _get(client: httpx.Client, url: str, errors: list[str], **kw: Any) -> httpx.Response | None:
+    try:
+        return client.get(url, **kw)
+    except httpx.HTTPError as exc:
+        errors.append(f"{url}: {type(exc).__name__}")
+        return None
+
+
+def _inflight_from_metrics(text: str) -> dict[tuple[str, str], float]:
+    """The router's ``lorafleet_router_inflight`` gauge, by (adapter, version)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _GAUGE.match(line.strip())
+        if not m or m["name"] != "lorafleet_router_inflight":
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
+        try:
+            out[(labels.get("adapter", ""), labels.get("version", ""))] = float(m["v"])
+        except ValueError:
+            continue
+    return out
+
+
+def collect_status(info: FleetInfo) -> FleetStatus:
+    """Query the router and every agent of the fleet in ``info`` (short timeouts)."""
+    errors: list[str] = []
+    auth = {"Authorization": f"Bearer {info.control_token}"}
+    replicas = [
+        ReplicaView(index=i, engine=r.engine, agent_url=r.agent_url, engine_url=r.engine_url)
+        for i, r in enumerate(info.replicas)
+    ]
+    aliases: list[dict[str, Any]] = []
+    inflight_total: int | None = None
+    with httpx.Client(timeout=_TIMEOUT) as client:
+        for view in replicas:
+            health = _get(client, view.agent_url + "/health", errors)
+            if health is not None:
+                view.healthy = health.status_code == 200
+                try:
+                    view.health_detail = health.json().get("detail")
+                except ValueError:
+                    view.health_detail = f"HTTP {health.status_code}"
+            agent_info = _get(client, view.agent_url + "/v1/info", errors)
+            if agent_info is not None and agent_info.status_code == 200:
+                view.replica_id = agent_info.json().get("replica_id")
+            listing = _get(client, view.agent_url + "/v1/adapters", errors, headers=auth)
+            if listing is not None and listing.status_code == 200:
+                view.adapters = listing.json().get("adapters", [])
+            elif listing is not None:
+                errors.append(f"{view.agent_url}/v1/adapters: HTTP {listing.status_code}")
+
+        health = _get(client, info.router_url + "/health", errors)
+        router_healthy = health is not None and health.status_code == 200
+        table = _get(client, info.router_url + "/v1/control/aliases", errors, headers=auth)
+        if table is not None and table.status_code == 200:
+            aliases = sorted(table.json().get("aliases", {}).values(), key=lambda a: a["name"])
+        routed = _get(client, info.router_url + "/v1/control/replicas", errors, headers=auth)
+        if routed is not None and routed.status_code == 200:
+            by_agent = {r["agent_url"].rstrip("/"): r for r in routed.json().get("replicas", [])}
+            for view in replicas:
+                seen = by_agent.get(view.agent_url.rstrip("/"))
+                if seen is not None:
+                    view.inflight = int(seen.get("inflight", 0))
+                    view.replica_id = view.replica_id or seen.get("replica_id")
+        metrics = _get(client, info.router_url + "/metrics", errors)
+        if metrics is not None and metrics.status_code == 200:
+            gauges = _inflight_from_metrics(metrics.text)
+            if gauges:
+                inflight_total = int(sum(gauges.values()))
+            for a in aliases:
+                a["inflight"] = int(gauges.get((a["name"], str(a["version"])), 0))
+        if inflight_total is None and any(v.inflight is not None for v in replicas):
+            inflight_total = sum(v.inflight or 0 for v in replicas)
+    return FleetStatus(
+        router_url=info.router_url,
+        router_healthy=router_healthy,
+        up_pid=info.pid,
+        up_alive=pid_alive(info.pid),
+        replicas=replicas,
+        aliases=aliases,
+        inflight_total=inflight_total,
+        errors=errors,
+    )
+
+
+def _yes(ok: bool) -> str:
+    return "[green]healthy[/green]" if ok else "[red]unhealthy[/red]"
+
+
+def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
+    """Rich renderables: fleet summary, replicas, adapters per replica, active versions."""
+    from rich.table import Table
+
+    fleet = Table(title="lorafleet", show_header=False, title_justify="left")
+    fleet.add_column("key", style="bold")
+    fleet.add_column("value")
+    fleet.add_row("router", f"{status.router_url}  {_yes(status.router_healthy)}")
+    fleet.add_row("supervisor pid", f"{status.up_pid} ({'running' if status.up_alive else 'gone'})")
+    fleet.add_row("data dir", info.data_dir)
+    fleet.add_row("base model", f"{info.served_model_name} ({info.model})")
+    fleet.add_row("in-flight", "?" if status.inflight_total is None else str(status.inflight_total))
+
+    replicas = Table(title="replicas", title_justify="left")
+    for col in ("#", "replica", "engine", "engine url", "agent url", "health", "in-flight"):
+        replicas.add_column(col)
+    replicas.add_column("adapters", justify="right")
+    for v in status.replicas:
+        health = _yes(v.healthy)
+        if not v.healthy and v.health_detail:
+            health += f" ({v.health_detail})"
+        replicas.add_row(
+            str(v.index),
+            v.replica_id or "?",
+            v.engine,
+            v.engine_url,
+            v.agent_url,
+            health,
+            "?" if v.inflight is None else str(v.inflight),
+            str(len(v.adapters)),
+        )
+
+    adapters = Table(title="adapters on replicas", title_justify="left")
+    for col in ("replica", "name", "version", "engine name", "state", "digest"):
+        adapters.add_column(col)
+    for v in status.replicas:
+        for a in sorted(v.adapters, key=lambda a: (a.get("name", ""), a.get("version", 0))):
+            adapters.add_row(
+                v.replica_id or str(v.index),
+                str(a.get("name")),
+                str(a.get("version")),
+                str(a.get("engine_name")),
+                str(a.get("state")),
+                str(a.get("digest", ""))[:19],
+            )
+
+    active = Table(title="active versions (router aliases)", title_justify="left")
+    for col in ("name", "version", "engine name", "replicas", "in-flight"):
+        active.add_column(col)
+    for a in status.aliases:
+        active.add_row(
+            a["name"],
+            str(a["version"]),
+            a["engine_name"],
+            ", ".join(a["replicas"]),
+            str(a.get("inflight", "?")),
+        )
+
+    out: list[Any] = [fleet, replicas, adapters, active]
+    if status.errors:
+        out.append("[yellow]unreachable:[/yellow] " + "; ".join(status.errors))
+    return out
