@@ -60,6 +60,8 @@ class VersionTag(_Model):
     """None for base-model requests."""
     version: int | None
     replica: str
+    engine_model: str | None = None
+    """The model name the engine reported (e.g. ``policy@v3``), when the router saw one."""
 
 
 class SetAliasRequest(_Model):

@@ -43,6 +43,11 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.retries = Counter(
+            "lorafleet_router_retries",
+            "Requests re-sent to another replica after a connection failure",
+            registry=self.registry,
+        )
         self._children: dict[tuple, tuple] = {}
         self._counters: dict[tuple, Counter] = {}
 

@@ -154,18 +154,14 @@ class Proxy:
         try:
             if self.unsafe_delay is not None and route.adapter is not None:
                 data, cands = await self._unsafe_reresolve(req, route, cands)
-            status = await self._forward(
-                scope,
-                receive,
-                send,
-                route,
-                fwd_path,
-                data,
-                cands,
-                session,
-                stream=req.get("stream") is True and path != "/generate",
-                generate=path == "/generate",
-            )
+            stream = req.get("stream") is True and path != "/generate"
+            fwd = self._forward(
+                scope, send, route, fwd_path, data, cands, session,
+                stream=stream, generate=path == "/generate",
+            )  # fmt: skip
+            # Streams can be long: watch for the client leaving so the count stays exact and the
+            # engine stops generating. Plain requests end when the engine answers anyway.
+            status = await (_watched(fwd, receive) if stream else fwd)
         finally:
             self.balancer.end(key)
             hist, _ = self.metrics.children(route.adapter, route.version)
@@ -257,7 +253,6 @@ class Proxy:
     async def _forward(
         self,
         scope,
-        receive,
         send,
         route: Route,
         path: str,
@@ -284,14 +279,18 @@ class Proxy:
                     # Nothing came back: out of rotation until its agent says healthy again.
                     replica.suspect = True
                     failed = replica
+                    self.metrics.retries.inc()
                     continue
                 try:
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
-                        await self._stream(receive, send, route, replica, resp, scope["path"])
+                        await self._stream(send, route, replica, resp, scope["path"])
                     else:
                         await self._whole(send, route, replica, resp, generate)
                     return resp.status
+                except BaseException:
+                    resp.close()  # never return a half-read connection to the pool
+                    raise
                 finally:
                     resp.release()
             finally:
@@ -348,7 +347,6 @@ class Proxy:
 
     async def _stream(
         self,
-        receive,
         send,
         route: Route,
         replica: Replica,
@@ -359,17 +357,6 @@ class Proxy:
         headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
         headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        gone = False
-
-        async def watch() -> None:
-            # The client left: close the upstream so the engine aborts the generation.
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            resp.close()
-
-        watcher = asyncio.create_task(watch())
         rewrite = route.engine_name is not None and route.alias is not None
         if rewrite:
             eng, ali = _esc(route.engine_name), _esc(route.alias)
@@ -380,41 +367,33 @@ class Proxy:
         engine_model: bytes | None = None
         pending = b""
         tagged = False
-        try:
-            async for chunk in resp.content.iter_any():
-                if engine_model is None:
-                    m = _MODEL_RE.search(chunk)
-                    if m:
-                        engine_model = m.group(1)
-                if rewrite:
-                    for a, b in pairs:
-                        chunk = chunk.replace(a, b)
-                if tagged:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    continue
-                buf = pending + chunk if pending else chunk
-                i = buf.find(_DONE)
-                if i >= 0:
-                    tag = self._tag_event(route, replica, engine_model, path)
-                    buf = buf[:i] + tag + buf[i:]
-                    tagged, pending = True, b""
-                else:
-                    # Hold back only a tail that could be the start of "data: [DONE]".
-                    keep = _partial_suffix(buf)
-                    buf, pending = (buf[:-keep], buf[-keep:]) if keep else (buf, b"")
-                if buf:
-                    await send({"type": "http.response.body", "body": buf, "more_body": True})
-            if not tagged:
-                tail = pending + self._tag_event(route, replica, engine_model, path)
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            if not gone:
-                raise
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        async for chunk in resp.content.iter_any():
+            if engine_model is None:
+                m = _MODEL_RE.search(chunk)
+                if m:
+                    engine_model = m.group(1)
+            if rewrite:
+                for a, b in pairs:
+                    chunk = chunk.replace(a, b)
+            if tagged:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                continue
+            buf = pending + chunk if pending else chunk
+            i = buf.find(_DONE)
+            if i >= 0:
+                tag = self._tag_event(route, replica, engine_model, path)
+                buf = buf[:i] + tag + buf[i:]
+                tagged, pending = True, b""
+            else:
+                # Hold back only a tail that could be the start of "data: [DONE]".
+                keep = _partial_suffix(buf)
+                buf, pending = (buf[:-keep], buf[-keep:]) if keep else (buf, b"")
+            if buf:
+                await send({"type": "http.response.body", "body": buf, "more_body": True})
+        if not tagged:
+            tail = pending + self._tag_event(route, replica, engine_model, path)
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
     def _tag_event(
         self, route: Route, replica: Replica, engine_model: bytes | None, path: str
@@ -429,6 +408,31 @@ class Proxy:
         doc = json.dumps(head, separators=(",", ":")).encode()
         tag = self._tag(route, replica, engine_model)
         return b"data: " + doc[:-1] + b',"' + TAG_FIELD.encode() + b'":' + tag + b"}\n\n"
+
+
+async def _watched(fwd, receive) -> int:
+    """Run ``fwd``; cancel it if the client disconnects first (status 499 then)."""
+    task = asyncio.ensure_future(fwd)
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # we ourselves are being cancelled
+            raise
+        return 499
 
 
 def _partial_suffix(buf: bytes) -> int:

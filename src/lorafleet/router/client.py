@@ -1,0 +1,112 @@
+"""``AsyncRouterClient``: the router's control plane for the Publisher and operators.
+
+Errors: ``RemoteError`` (the router answered with an error; ``.code`` is the protocol code, e.g.
+``version_conflict`` or ``publish_in_progress``) and ``TransportError`` (no answer).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import httpx
+
+from lorafleet._http import bearer, map_transport_errors, raise_for_status
+from lorafleet.protocol.router import (
+    AliasEntry,
+    AliasTable,
+    DrainRequest,
+    DrainResponse,
+    Lease,
+    LeaseRequest,
+    ReplicaList,
+    SetAliasRequest,
+)
+
+__all__ = ["AsyncRouterClient"]
+
+
+class AsyncRouterClient:
+    """Control-plane client. Pass ``client`` to share a connection pool; else one is owned."""
+
+    def __init__(
+        self, base_url: str, token: str | None, client: httpx.AsyncClient | None = None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = bearer(token)
+        self._owned = client is None
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
+
+    async def __aenter__(self) -> AsyncRouterClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self._client.aclose()
+
+    async def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        url = self.base_url + path
+        with map_transport_errors(url):
+            resp = await self._client.request(method, url, headers=self._headers, **kw)
+        return raise_for_status(resp)
+
+    async def table(self) -> AliasTable:
+        r = await self._call("GET", "/v1/control/aliases")
+        return AliasTable.model_validate_json(r.content)
+
+    async def set_alias(
+        self,
+        name: str,
+        version: int,
+        engine_name: str,
+        replicas: list[str],
+        expected_version: int | None = None,
+        lease_holder: str | None = None,
+    ) -> AliasEntry:
+        """Flip ``name`` to ``version``. ``expected_version=None`` skips compare-and-set.
+
+        Raises RemoteError ``version_conflict`` (CAS failed or not newer) or
+        ``publish_in_progress`` (another holder's lease).
+        """
+        req = SetAliasRequest(
+            version=version, engine_name=engine_name, replicas=replicas, lease_holder=lease_holder
+        )
+        body = req.model_dump(exclude={"expected_version"})
+        if expected_version is not None:
+            body["expected_version"] = expected_version
+        r = await self._call("PUT", f"/v1/control/aliases/{quote(name, safe='')}", json=body)
+        return AliasEntry.model_validate_json(r.content)
+
+    async def delete_alias(self, name: str, lease_holder: str | None = None) -> None:
+        params = {"lease_holder": lease_holder} if lease_holder else None
+        await self._call("DELETE", f"/v1/control/aliases/{quote(name, safe='')}", params=params)
+
+    async def drain(self, name: str, version: int, timeout_s: float = 30.0) -> DrainResponse:
+        """Wait until ``version`` of ``name`` has nothing in flight (or the timeout passes)."""
+        body = DrainRequest(version=version, timeout_s=timeout_s).model_dump()
+        path = f"/v1/control/aliases/{quote(name, safe='')}/drain"
+        with map_transport_errors(self.base_url + path):
+            resp = await self._client.post(
+                self.base_url + path,
+                json=body,
+                headers=self._headers,
+                timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0),
+            )
+        return DrainResponse.model_validate_json(raise_for_status(resp).content)
+
+    async def acquire_lease(self, name: str, holder: str, ttl_s: float = 300.0) -> Lease:
+        """Take or renew the publish lease; RemoteError ``publish_in_progress`` if held."""
+        body = LeaseRequest(holder=holder, ttl_s=ttl_s).model_dump()
+        r = await self._call("POST", f"/v1/control/leases/{quote(name, safe='')}", json=body)
+        return Lease.model_validate_json(r.content)
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        await self._call(
+            "DELETE", f"/v1/control/leases/{quote(name, safe='')}/{quote(holder, safe='')}"
+        )
+
+    async def replicas(self) -> ReplicaList:
+        r = await self._call("GET", "/v1/control/replicas")
+        return ReplicaList.model_validate_json(r.content)

@@ -1,0 +1,143 @@
+"""Pure pieces: the alias store (CAS, versions, leases, persistence), the balancer, the checker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorafleet._service import ServiceError
+from lorafleet.protocol.router import AliasEvent
+from lorafleet.router.balancer import Balancer
+from lorafleet.router.consistency import Observation, check, implied_version
+from lorafleet.router.table import STATE_FILE, AliasStore
+
+
+def test_store_cas_versions_and_log(tmp_path):
+    s = AliasStore(tmp_path)
+    e1 = s.set_alias("p", 1, "p@v1", ["r0"], expected_version=None)
+    assert (e1.version, e1.seq) == (1, 1)
+    with pytest.raises(ServiceError) as ei:
+        s.set_alias("p", 2, "p@v2", ["r0"], expected_version=None)
+    assert ei.value.code == "version_conflict"
+    with pytest.raises(ServiceError) as ei:
+        s.set_alias("p", 1, "p@v1", ["r0"])  # not newer
+    assert ei.value.code == "version_conflict"
+    s.set_alias("p", 3, "p@v3", ["r0"], expected_version=1)
+    s.delete_alias("p")
+    assert [(e.seq, e.version) for e in s.table().log] == [(1, 1), (2, 3), (3, None)]
+    with pytest.raises(ServiceError) as ei:
+        s.delete_alias("p")
+    assert ei.value.code == "not_found"
+
+
+def test_store_leases(tmp_path):
+    s = AliasStore(tmp_path)
+    s.acquire_lease("p", "a", 60)
+    with pytest.raises(ServiceError) as ei:
+        s.acquire_lease("p", "b", 60)
+    assert ei.value.code == "publish_in_progress" and "'a'" in ei.value.message
+    s.acquire_lease("p", "a", 60)  # renew
+    with pytest.raises(ServiceError):
+        s.set_alias("p", 1, "p@v1", ["r0"])  # no lease_holder while a lease is held
+    s.set_alias("p", 1, "p@v1", ["r0"], lease_holder="a")
+    with pytest.raises(ServiceError):
+        s.release_lease("p", "b")
+    s.release_lease("p", "a")
+    s.release_lease("p", "a")  # idempotent
+    s.acquire_lease("p", "b", 0.01)
+    import time
+
+    time.sleep(0.02)
+    s.acquire_lease("p", "c", 60)  # b's lease expired
+
+
+def test_store_persists_atomically(tmp_path):
+    s = AliasStore(tmp_path)
+    s.set_alias("p", 1, "p@v1", ["r0", "r1"])
+    s.acquire_lease("p", "a", 60)
+    again = AliasStore(tmp_path)
+    assert again.aliases == s.aliases and again.log == s.log and again.seq == 1
+    assert again.lease_of("p").holder == "a"
+    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left
+
+
+def test_balancer_fewest_outstanding_and_sessions():
+    b = Balancer(["http://a", "http://b"])
+    for i, r in enumerate(b.replicas):
+        r.replica_id, r.engine_url, r.healthy = f"r{i}", f"http://e{i}", True
+    b.reindex()
+    cands = b.candidates(["r0", "r1"])
+    b.replicas[0].inflight = 3
+    assert b.pick(cands).replica_id == "r1"
+    first = b.pick(cands, "s1")
+    b.replicas[0].inflight, b.replicas[1].inflight = 0, 0
+    for _ in range(5):
+        assert b.pick(cands, "s1") is first  # sticky even when the other is idle
+    first.healthy = False
+    assert b.pick(b.candidates(["r0", "r1"]), "s1") is not first  # re-placed
+    assert b.candidates(["ghost"]) == []
+
+
+def test_balancer_drain_waits_for_zero():
+    async def go() -> None:
+        b = Balancer([])
+        b.begin(("p", 1))
+        assert await b.wait_drained("p", 1, 0.05) == 1
+        waiter = asyncio.ensure_future(b.wait_drained("p", 1, 5))
+        await asyncio.sleep(0.01)
+        b.end(("p", 1))
+        assert await waiter == 0
+        assert await b.wait_drained("p", 2, 0) == 0
+
+    asyncio.run(go())
+
+
+# --- the consistency checker on synthetic traces -------------------------------------------------
+
+LOG = [
+    AliasEvent(seq=1, ts=10.0, name="p", version=1, engine_name="p@v1"),
+    AliasEvent(seq=2, ts=20.0, name="p", version=2, engine_name="p@v2"),
+    AliasEvent(seq=3, ts=30.0, name="p", version=3, engine_name="p@v3"),
+]
+
+
+def obs(i, t, v, first=None, models=None, status=200, adapter="p", error=None):
+    return Observation(
+        index=i, t_send=t, t_first=first or t + 0.01, t_done=(first or t) + 0.02,
+        status=status, adapter=adapter, version=v, replica="r0",
+        engine_models=models if models is not None else [f"p@v{v}"], error=error,
+    )  # fmt: skip
+
+
+def test_checker_accepts_a_clean_trace():
+    trace = [obs(0, 11, 1), obs(1, 19.99, 2, first=20.01), obs(2, 25, 2), obs(3, 31, 3)]
+    assert check(trace, LOG, "p") == []
+    assert implied_version("p@v12", "p") == 12 and implied_version("q@v1", "p") is None
+
+
+def test_checker_catches_each_violation():
+    trace = [
+        obs(0, 12, 1, status=503, error="no replica"),  # failed
+        obs(1, 25, 1),  # stale: v2 was active at send
+        obs(2, 15, 3),  # from the future
+        obs(3, 25, 2, models=["p@v3"]),  # tag v2, engine v3
+        obs(4, 25, 2, models=["p@v2", "p@v1"]),  # two versions in one stream
+        obs(5, 25, None, adapter=None, models=[]),  # no tag
+    ]
+    kinds = [(v.kind, v.index) for v in check(trace, LOG, "p")]
+    assert kinds == [
+        ("failed", 0),
+        ("wrong_version", 1),
+        ("wrong_version", 2),
+        ("mixed_versions", 3),
+        ("mixed_versions", 4),
+        ("untagged", 5),
+    ]
+
+
+def test_checker_slack_allows_the_previous_version_briefly():
+    late = [obs(0, 20.03, 1)]
+    assert [v.kind for v in check(late, LOG, "p")] == ["wrong_version"]
+    assert check(late, LOG, "p", slack_s=0.05) == []
+    assert [v.kind for v in check([obs(0, 20.2, 1)], LOG, "p", slack_s=0.05)] == ["wrong_version"]
