@@ -1,9 +1,103 @@
-"""CLI for the agent (placeholder until the component lands)."""
+"""``lorafleet agent``: one agent in front of one engine."""
+
+from __future__ import annotations
+
+import os
+import secrets
 
 import click
 
+from lorafleet.agent.uploads import UploadLimits
+
+_GiB = 1 << 30
+
 
 @click.command("agent")
-def command() -> None:
-    """Not implemented yet."""
-    raise click.ClickException("the agent is not implemented yet")
+@click.option(
+    "--engine", "engine", type=click.Choice(["vllm", "sglang", "reference"]), required=True
+)
+@click.option(
+    "--engine-url", required=True, help="Base URL of the engine, e.g. http://127.0.0.1:8000"
+)
+@click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="Adapter store.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8100, show_default=True, type=int)
+@click.option(
+    "--control-token",
+    envvar="LORAFLEET_CONTROL_TOKEN",
+    default=None,
+    help="Bearer token for mutating routes (generated and printed if absent).",
+)
+@click.option("--replica-id", default=None, help="Default: host:port.")
+@click.option("--served-model-name", default=None, help="Default: discovered from the engine.")
+@click.option("--max-file-bytes", default=128 * _GiB, show_default=True, type=int)
+@click.option("--quota-bytes", default=None, type=int, help="Default: free disk minus 1 GiB.")
+@click.option(
+    "--upload-ttl",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Seconds an idle upload session lives.",
+)
+@click.option(
+    "--shared-fs-allow",
+    multiple=True,
+    type=click.Path(),
+    help="Directory /v1/adapters/register may read from (repeatable).",
+)
+@click.option("--max-lora-rank", default=None, type=int, help="Override the engine's limit.")
+@click.option("--max-adapters", default=None, type=int, help="Override the engine's limit.")
+@click.option("--sglang-upsert", is_flag=True, help="The SGLang server accepts Miles' upsert.")
+@click.option("--log-level", default="info", show_default=True)
+def command(
+    engine: str,
+    engine_url: str,
+    data_dir: str,
+    host: str,
+    port: int,
+    control_token: str | None,
+    replica_id: str | None,
+    served_model_name: str | None,
+    max_file_bytes: int,
+    quota_bytes: int | None,
+    upload_ttl: float,
+    shared_fs_allow: tuple[str, ...],
+    max_lora_rank: int | None,
+    max_adapters: int | None,
+    sglang_upsert: bool,
+    log_level: str,
+) -> None:
+    """Run the agent: verified uploads, a durable adapter store, engine loading, reconciliation."""
+    import logging
+
+    import uvicorn
+
+    from lorafleet.agent.app import AgentConfig, create_app
+
+    if not control_token:
+        control_token = secrets.token_urlsafe(24)
+        click.echo(f"lorafleet agent: generated control token: {control_token}", err=True)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    cfg = AgentConfig(
+        engine=engine,
+        engine_url=engine_url,
+        data_dir=os.path.abspath(data_dir),
+        token=control_token,
+        replica_id=replica_id or f"{host}:{port}",
+        served_model_name=served_model_name,
+        limits=UploadLimits(
+            max_file_bytes=max_file_bytes, quota_bytes=quota_bytes, ttl_s=upload_ttl
+        ),
+        shared_fs_allow=list(shared_fs_allow),
+        max_lora_rank=max_lora_rank,
+        max_adapters=max_adapters,
+        sglang_upsert=sglang_upsert,
+    )
+    uvicorn.run(
+        create_app(cfg),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,334 @@
+"""Adapter lifecycle on one replica: commit, register, load, activate, unload, list.
+
+Every operation on one adapter name runs under that name's ``asyncio.Lock``; different names
+proceed in parallel. Records are written to the state DB before the call returns, so the
+reconciler (and a restarted agent) knows what the engine should hold.
+
+States: ``staged`` (on disk, not in the engine), ``loaded`` (in the engine), ``active`` (loaded
+and the name's current version), ``failed`` (the engine refused it; ``error`` says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from lorafleet._service import ServiceError
+from lorafleet.agent.backends import (
+    AdapterMissing,
+    EngineBackend,
+    EngineRejected,
+    EngineUnavailable,
+)
+from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.state import StateDB, StoredAdapter
+from lorafleet.agent.store import Store
+from lorafleet.agent.uploads import UploadManager
+from lorafleet.agent.validation import config_rank, validate
+from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest, PathError, check_file_path
+from lorafleet.errors import DigestMismatch, SizeMismatch
+from lorafleet.protocol.agent import (
+    AdapterRecord,
+    AdapterState,
+    EngineCapabilities,
+    LoadMode,
+    engine_name,
+)
+from lorafleet.protocol.errors import ErrorCode
+
+__all__ = ["AdapterService"]
+
+_IN_ENGINE = (AdapterState.LOADED, AdapterState.ACTIVE)
+
+
+def engine_error(exc: Exception) -> ServiceError:
+    """A backend error as the protocol error the agent answers with."""
+    if isinstance(exc, EngineUnavailable):
+        return ServiceError(ErrorCode.ENGINE_UNAVAILABLE, str(exc))
+    return ServiceError(ErrorCode.ENGINE_REJECTED, str(exc))
+
+
+class AdapterService:
+    def __init__(
+        self,
+        store: Store,
+        db: StateDB,
+        uploads: UploadManager,
+        backend: EngineBackend,
+        caps: EngineCapabilities,
+        metrics: Metrics,
+        shared_fs_allow: list[str] | None = None,
+    ) -> None:
+        self.store = store
+        self.db = db
+        self.uploads = uploads
+        self.backend = backend
+        self.caps = caps
+        self.metrics = metrics
+        self.allow = [Path(p).resolve() for p in shared_fs_allow or []]
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def check_version(self, manifest: Manifest) -> None:
+        """Refuse a version not newer than a loaded one, or one that clashes with a record.
+
+        Only versions in the engine block older ones: after the Publisher unloads v (rollback),
+        publishing v again works.
+        """
+        for item in self.db.by_name(manifest.name):
+            r = item.record
+            if r.version == manifest.version:
+                if r.digest == manifest.digest:
+                    continue  # the same bundle again: idempotent
+                raise ServiceError(
+                    ErrorCode.ADAPTER_CONFLICT,
+                    f"{manifest.name!r} v{manifest.version} already exists with a different "
+                    f"digest ({r.digest[:12]}); unload it first",
+                )
+            if r.state in _IN_ENGINE and r.version > manifest.version:
+                raise ServiceError(
+                    ErrorCode.VERSION_CONFLICT,
+                    f"{manifest.name!r} v{manifest.version} is not newer than loaded v{r.version}",
+                )
+
+    def _get(self, name: str, version: int) -> StoredAdapter:
+        item = self.db.get(name, version)
+        if item is None:
+            raise ServiceError(
+                ErrorCode.ADAPTER_NOT_FOUND, f"no adapter {name!r} v{version} on this replica"
+            )
+        return item
+
+    # --- commit / register -----------------------------------------------------------------
+
+    async def commit(self, upload_id: str) -> AdapterRecord:
+        s = self.uploads.get(upload_id)
+        m = s.manifest
+        async with self.locks[m.name]:
+            s = self.uploads.get(upload_id)
+            pending = [f.entry.path for f in s.files.values() if not f.complete]
+            lost = [f.path for f in m.files if not self.store.has_blob(f.sha256, f.size)]
+            if pending or lost:
+                raise ServiceError(
+                    ErrorCode.UPLOAD_INCOMPLETE,
+                    f"upload {upload_id} is missing {sorted(set(pending + lost))}",
+                )
+            # The session ends here whatever happens; on failure the blobs it added go too.
+            added = set(s.added_blobs)
+            self.uploads.close(upload_id, keep_blobs=True)
+            try:
+                return await self._stage(m)
+            except BaseException:
+                self.uploads.gc_blobs(added)
+                raise
+
+    async def register(self, manifest: Manifest, path: str) -> AdapterRecord:
+        """Shared filesystem: verify ``path`` against ``manifest``, ingest into blobs, stage."""
+        for f in manifest.files:
+            try:
+                check_file_path(f.path)
+            except PathError as exc:
+                code = ErrorCode.PATH_ESCAPE if exc.kind == "escape" else ErrorCode.FILE_NOT_ALLOWED
+                raise ServiceError(code, str(exc), param=f.path) from None
+            if f.size > self.uploads.limits.max_file_bytes:
+                raise ServiceError(
+                    ErrorCode.FILE_TOO_LARGE,
+                    f"file {f.path!r} is {f.size} bytes, over the per-file cap of "
+                    f"{self.uploads.limits.max_file_bytes} bytes",
+                )
+        src = Path(path).resolve()
+        if not self.allow or not any(src == a or a in src.parents for a in self.allow):
+            raise ServiceError(
+                ErrorCode.PATH_NOT_ALLOWED,
+                f"{path!r} (resolved {str(src)!r}) is outside the shared-filesystem allow-list",
+            )
+        async with self.locks[manifest.name]:
+            self.check_version(manifest)
+            needed = sum(
+                f.size for f in manifest.files if not self.store.has_blob(f.sha256, f.size)
+            )
+            available = self.uploads.available_bytes()
+            if needed > available:
+                raise ServiceError(
+                    ErrorCode.QUOTA_EXCEEDED,
+                    f"registering {manifest.name!r} needs {needed} bytes, {available} available",
+                )
+            added: set[str] = set()
+            try:
+                for f in manifest.files:
+                    file_src = src / f.path
+                    if not file_src.resolve().is_relative_to(src):
+                        raise ServiceError(
+                            ErrorCode.PATH_NOT_ALLOWED, f"{f.path!r} is a symlink out"
+                        )
+                    if await asyncio.to_thread(self.store.ingest_file, file_src, f.size, f.sha256):
+                        added.add(f.sha256)
+            except FileNotFoundError as exc:
+                self.uploads.gc_blobs(added)
+                raise ServiceError(ErrorCode.INVALID_REQUEST, f"missing file: {exc}") from None
+            except (SizeMismatch, DigestMismatch) as exc:
+                self.uploads.gc_blobs(added)
+                kind = "size" if isinstance(exc, SizeMismatch) else "digest"
+                self.metrics.verification_failures.labels(kind).inc()
+                code = ErrorCode.SIZE_MISMATCH if kind == "size" else ErrorCode.DIGEST_MISMATCH
+                raise ServiceError(code, str(exc)) from None
+            except BaseException:
+                self.uploads.gc_blobs(added)
+                raise
+            try:
+                return await self._stage(manifest)
+            except BaseException:
+                self.uploads.gc_blobs(added)
+                raise
+
+    async def _stage(self, m: Manifest) -> AdapterRecord:
+        """Assemble adapters/<name>/<version> from blobs, validate it, record it as staged."""
+        existing = self.db.get(m.name, m.version)
+        if existing is not None and existing.record.digest == m.digest:
+            return existing.record
+        self.check_version(m)
+        files = {f.path: f.sha256 for f in m.files}
+        # A native-only checkpoint has no adapter_config.json; engines read one from disk, so
+        # write it from the manifest's config (promise 7).
+        extra = {}
+        if ADAPTER_CONFIG not in files:
+            extra[ADAPTER_CONFIG] = json.dumps(m.config, indent=2, sort_keys=True).encode()
+        path = await asyncio.to_thread(self.store.assemble, m.name, m.version, files, extra)
+        report = await asyncio.to_thread(validate, path, m.config, self.caps.max_lora_rank)
+        if not report.ok:
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+            raise ServiceError(
+                ErrorCode.ADAPTER_INVALID,
+                f"{m.name!r} v{m.version} is not a loadable adapter: " + "; ".join(report.problems),
+            )
+        rec = AdapterRecord(
+            name=m.name,
+            version=m.version,
+            digest=m.digest,
+            engine_name=engine_name(m.name, m.version),
+            mode="versioned",
+            state=AdapterState.STAGED,
+            path=str(path),
+        )
+        self.db.put(StoredAdapter(rec, m))
+        self._update_usage()
+        return rec
+
+    # --- engine operations -----------------------------------------------------------------
+
+    async def load(self, name: str, version: int, mode: LoadMode) -> AdapterRecord:
+        async with self.locks[name]:
+            item = self._get(name, version)
+            rec = item.record
+            ename = engine_name(name, version, mode)
+            if rec.state in _IN_ENGINE and rec.mode == mode:
+                return rec  # idempotent
+            if rec.state in _IN_ENGINE:
+                raise ServiceError(
+                    ErrorCode.ADAPTER_CONFLICT,
+                    f"{name!r} v{version} is loaded as {rec.mode}; unload it before loading "
+                    f"as {mode}",
+                )
+            newer = [
+                i.record.version for i in self.db.by_name(name) if i.record.state in _IN_ENGINE
+            ]
+            if mode == "in_place" and newer and max(newer) > version:
+                raise ServiceError(
+                    ErrorCode.VERSION_CONFLICT,
+                    f"{name!r} v{max(newer)} is loaded; v{version} may not replace it",
+                )
+            rank = config_rank(item.manifest.config)
+            if rank is not None and self.caps.max_lora_rank and rank > self.caps.max_lora_rank:
+                raise ServiceError(
+                    ErrorCode.ADAPTER_INVALID,
+                    f"{name!r} v{version} has LoRA rank {rank}, over the engine's max_lora_rank "
+                    f"{self.caps.max_lora_rank}",
+                )
+            # In place, the previous holder of the plain name gives its engine slot to us.
+            holder = self._holder(ename)
+            if self.caps.max_adapters is not None and holder is None:
+                held = {i.record.engine_name for i in self.db.all() if i.record.state in _IN_ENGINE}
+                if len(held) >= self.caps.max_adapters:
+                    raise ServiceError(
+                        ErrorCode.QUOTA_EXCEEDED,
+                        f"the engine already holds {len(held)} adapters, its limit is "
+                        f"{self.caps.max_adapters}; unload one before loading {ename!r}",
+                    )
+            t0 = time.perf_counter()
+            try:
+                await self.backend.load(ename, rec.path, replace=holder is not None)
+            except EngineRejected as exc:
+                rec = rec.model_copy(update={"state": AdapterState.FAILED, "error": str(exc)})
+                self.db.put(StoredAdapter(rec, item.manifest))
+                raise engine_error(exc) from None
+            except EngineUnavailable as exc:
+                raise engine_error(exc) from None
+            self.metrics.load_seconds.observe(time.perf_counter() - t0)
+            state = AdapterState.LOADED
+            if holder is not None:
+                # The replaced version leaves the engine; its files may go when it is unloaded.
+                if holder.record.state == AdapterState.ACTIVE:
+                    state = AdapterState.ACTIVE
+                old = holder.record.model_copy(update={"state": AdapterState.STAGED})
+                self.db.put(StoredAdapter(old, holder.manifest))
+            rec = rec.model_copy(
+                update={"state": state, "mode": mode, "engine_name": ename, "error": None}
+            )
+            self.db.put(StoredAdapter(rec, item.manifest))
+            return rec
+
+    def _holder(self, ename: str) -> StoredAdapter | None:
+        for i in self.db.all():
+            if i.record.engine_name == ename and i.record.state in _IN_ENGINE:
+                return i
+        return None
+
+    async def activate(self, name: str, version: int) -> AdapterRecord:
+        async with self.locks[name]:
+            item = self._get(name, version)
+            if item.record.state not in _IN_ENGINE:
+                raise ServiceError(
+                    ErrorCode.ADAPTER_CONFLICT,
+                    f"{name!r} v{version} is {item.record.state.value}; load it before activating",
+                )
+            for other in self.db.by_name(name):
+                if other.record.state == AdapterState.ACTIVE and other.record.version != version:
+                    r = other.record.model_copy(update={"state": AdapterState.LOADED})
+                    self.db.put(StoredAdapter(r, other.manifest))
+            rec = item.record.model_copy(update={"state": AdapterState.ACTIVE})
+            self.db.put(StoredAdapter(rec, item.manifest))
+            return rec
+
+    async def unload(self, name: str, version: int) -> AdapterRecord:
+        """Remove from the engine (if there), then the files: never the other way round."""
+        async with self.locks[name]:
+            item = self._get(name, version)
+            rec = item.record
+            if rec.state in _IN_ENGINE:
+                try:
+                    await self.backend.unload(rec.engine_name)
+                except AdapterMissing:
+                    pass  # already gone (engine restarted): nothing holds the files
+                except (EngineRejected, EngineUnavailable) as exc:
+                    raise engine_error(exc) from None
+            self.db.delete(name, version)
+            shas = item.shas
+            await asyncio.to_thread(self.store.remove_adapter_dir, name, version, [])
+            self.uploads.gc_blobs(shas)
+            self._update_usage()
+            return rec.model_copy(update={"state": AdapterState.STAGED})
+
+    def list(self) -> list[AdapterRecord]:
+        return [i.record for i in self.db.all()]
+
+    def _update_usage(self) -> None:
+        with contextlib.suppress(OSError):
+            self.metrics.store_bytes.set(self.store.usage())

@@ -1,0 +1,345 @@
+"""The agent's HTTP surface: FastAPI routes over the upload manager and the adapter service.
+
+Mutating routes need the control token; ``/health``, ``/v1/info``, ``/metrics`` and the OpenAPI
+document are open. JSON bodies are capped by ``JsonBodyLimit`` before FastAPI parses them; the
+upload PUT streams its raw body and is capped by the declared file size instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lorafleet._service import (
+    DEFAULT_JSON_LIMIT,
+    error_response,
+    install_error_handlers,
+    require_token,
+)
+from lorafleet.agent.adapters import AdapterService
+from lorafleet.agent.backends import EngineBackend, EngineUnavailable, make_backend
+from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.reconcile import Reconciler
+from lorafleet.agent.state import StateDB
+from lorafleet.agent.store import Store
+from lorafleet.agent.uploads import UploadLimits, UploadManager
+from lorafleet.protocol.agent import (
+    CONTENT_DIGEST_HEADER,
+    REPR_DIGEST_HEADER,
+    UPLOAD_OFFSET_HEADER,
+    ActivateRequest,
+    AdapterList,
+    AdapterRecord,
+    AgentInfo,
+    EngineCapabilities,
+    FileProgress,
+    Health,
+    LoadRequest,
+    OpenUploadRequest,
+    RegisterPathRequest,
+    UnloadRequest,
+    UploadSession,
+    UploadStatus,
+)
+from lorafleet.protocol.errors import ErrorCode
+
+__all__ = ["AgentConfig", "create_app"]
+
+log = logging.getLogger("lorafleet.agent")
+
+
+@dataclass
+class AgentConfig:
+    engine: str
+    engine_url: str
+    data_dir: str
+    token: str | None
+    replica_id: str
+    served_model_name: str | None = None
+    limits: UploadLimits = field(default_factory=UploadLimits)
+    shared_fs_allow: list[str] = field(default_factory=list)
+    max_lora_rank: int | None = None
+    max_adapters: int | None = None
+    sglang_upsert: bool = False
+    reconcile_interval: float = 0.5
+    json_limit: int = DEFAULT_JSON_LIMIT
+
+
+class JsonBodyLimit:
+    """Refuse request bodies over ``limit`` (except upload PUTs) before anything parses them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("PUT", "GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        body = bytearray()
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(
+            ErrorCode.BODY_TOO_LARGE, f"request body over the {self.limit} byte limit"
+        )
+        resp.headers["Connection"] = "close"
+        await resp(scope, receive, send)
+
+
+class Runtime:
+    """Everything one agent process holds, built at startup and torn down at shutdown."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.store = Store(cfg.data_dir)
+        removed = self.store.clear_staging()
+        if removed:
+            log.info("removed %d stale staging entries", removed)
+        self.db = StateDB(self.store.root / "state.db")
+        self.uploads = UploadManager(self.store, cfg.limits, self.metrics)
+        self.backend: EngineBackend = make_backend(
+            cfg.engine,
+            cfg.engine_url,
+            max_lora_rank=cfg.max_lora_rank,
+            max_adapters=cfg.max_adapters,
+            sglang_upsert=cfg.sglang_upsert,
+        )
+        self.caps = EngineCapabilities(kind=cfg.engine)  # type: ignore[arg-type]
+        self.base_model = cfg.served_model_name or "unknown"
+        self.probed = False
+        self.probe_detail: str | None = "engine not probed yet"
+        self.service = AdapterService(
+            self.store,
+            self.db,
+            self.uploads,
+            self.backend,
+            self.caps,
+            self.metrics,
+            cfg.shared_fs_allow,
+        )
+        self.reconciler = Reconciler(self.service, cfg.reconcile_interval)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._probe_until_ok(), name="probe"))
+        self._tasks.append(asyncio.create_task(self._reap_forever(), name="reaper"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.reconciler.stop()
+        await self.backend.aclose()
+        self.db.close()
+
+    async def _probe_until_ok(self) -> None:
+        while True:
+            try:
+                probe = await self.backend.probe()
+            except EngineUnavailable as exc:
+                self.probe_detail = str(exc)
+                await asyncio.sleep(0.5)
+                continue
+            self.caps = probe.capabilities
+            self.service.caps = probe.capabilities
+            if not self.cfg.served_model_name:
+                self.base_model = probe.base_model
+            self.probed = True
+            self.probe_detail = None
+            self.reconciler.start()
+            return
+
+    async def _reap_forever(self) -> None:
+        period = max(0.2, min(self.cfg.limits.ttl_s / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.uploads.reap()
+            except Exception:
+                log.exception("reaping uploads failed")
+
+    def health(self) -> Health:
+        rec = self.reconciler
+        if not self.probed:
+            return Health(
+                status="not_ready",
+                engine_reachable=False,
+                reconciling=True,
+                detail=self.probe_detail,
+            )
+        return Health(
+            status="ok" if rec.ready else "not_ready",
+            engine_reachable=rec.engine_reachable,
+            reconciling=rec.pending,
+            detail=rec.detail,
+        )
+
+
+def create_app(cfg: AgentConfig) -> FastAPI:
+    rt = Runtime(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    app = FastAPI(title="lorafleet agent", version="1", lifespan=lifespan)
+    app.state.runtime = rt
+    install_error_handlers(app)
+    app.add_middleware(JsonBodyLimit, limit=cfg.json_limit)
+
+    def auth(request: Request) -> None:
+        require_token(request, cfg.token)
+
+    guard = [Depends(auth)]
+
+    # --- uploads ---------------------------------------------------------------------------
+
+    @app.post("/v1/uploads", status_code=201, dependencies=guard)
+    async def open_upload(req: OpenUploadRequest) -> UploadSession:
+        """Open an upload; refuses over-cap files, quota, bad paths and stale versions at once."""
+        return rt.uploads.open(req.manifest, rt.service.check_version)
+
+    @app.get("/v1/uploads/{upload_id}", dependencies=guard)
+    async def upload_status(upload_id: str) -> UploadStatus:
+        return rt.uploads.status(upload_id)
+
+    @app.head("/v1/uploads/{upload_id}/files/{path:path}", dependencies=guard)
+    async def upload_offset(upload_id: str, path: str) -> Response:
+        """The durable offset of one file, in the Upload-Offset header."""
+        off = rt.uploads.offset(upload_id, path)
+        return Response(status_code=200, headers={UPLOAD_OFFSET_HEADER: str(off)})
+
+    @app.put(
+        "/v1/uploads/{upload_id}/files/{path:path}",
+        dependencies=guard,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": "Raw file bytes, starting at Upload-Offset.",
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            }
+        },
+    )
+    async def upload_file(
+        request: Request,
+        upload_id: str,
+        path: str,
+        upload_offset: int | None = Header(
+            None, alias=UPLOAD_OFFSET_HEADER, ge=0, description="Resume from this byte offset."
+        ),
+        repr_digest: str | None = Header(
+            None, alias=REPR_DIGEST_HEADER, description="RFC 9530: sha-256 of the whole file."
+        ),
+        content_digest: str | None = Header(
+            None, alias=CONTENT_DIGEST_HEADER, description="RFC 9530: sha-256 of this body."
+        ),
+        content_length: int | None = Header(None, alias="Content-Length", ge=0),
+    ) -> FileProgress:
+        """Stream one file's bytes; verified against the manifest's size and sha256."""
+        return await rt.uploads.put(
+            upload_id,
+            path,
+            request.stream(),
+            offset=upload_offset,
+            content_length=content_length,
+            repr_digest=repr_digest,
+            content_digest=content_digest,
+        )
+
+    @app.post("/v1/uploads/{upload_id}/commit", dependencies=guard)
+    async def commit(upload_id: str) -> AdapterRecord:
+        return await rt.service.commit(upload_id)
+
+    @app.delete("/v1/uploads/{upload_id}", status_code=204, dependencies=guard)
+    async def discard(upload_id: str) -> Response:
+        rt.uploads.get(upload_id)
+        rt.uploads.close(upload_id, keep_blobs=False)
+        return Response(status_code=204)
+
+    # --- adapters --------------------------------------------------------------------------
+
+    @app.post("/v1/adapters/register", dependencies=guard)
+    async def register(req: RegisterPathRequest) -> AdapterRecord:
+        return await rt.service.register(req.manifest, req.path)
+
+    @app.post("/v1/adapters/load", dependencies=guard)
+    async def load(req: LoadRequest) -> AdapterRecord:
+        return await rt.service.load(req.name, req.version, req.mode)
+
+    @app.post("/v1/adapters/activate", dependencies=guard)
+    async def activate(req: ActivateRequest) -> AdapterRecord:
+        return await rt.service.activate(req.name, req.version)
+
+    @app.post("/v1/adapters/unload", dependencies=guard)
+    async def unload(req: UnloadRequest) -> AdapterRecord:
+        return await rt.service.unload(req.name, req.version)
+
+    @app.get("/v1/adapters")
+    async def list_adapters() -> AdapterList:
+        return AdapterList(adapters=rt.service.list())
+
+    # --- open endpoints --------------------------------------------------------------------
+
+    @app.get("/v1/info")
+    async def info() -> AgentInfo:
+        return AgentInfo(
+            replica_id=cfg.replica_id,
+            engine_url=cfg.engine_url,
+            base_model=rt.base_model,
+            capabilities=rt.caps,
+            ready=rt.health().status == "ok",
+        )
+
+    @app.get("/health", responses={503: {"model": Health}})
+    async def health() -> JSONResponse:
+        h = rt.health()
+        return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        with contextlib.suppress(OSError):
+            rt.metrics.store_bytes.set(rt.store.usage())
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

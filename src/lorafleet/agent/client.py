@@ -1,0 +1,215 @@
+"""``AsyncAgentClient``: the Publisher's view of one agent.
+
+Errors: ``RemoteError`` (the agent answered with an error; ``.code`` is the protocol code) and
+``TransportError`` (no answer). ``upload_file`` resumes by itself after a dropped connection:
+it asks the agent for the durable offset (HEAD) and continues from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from lorafleet._http import bearer, map_transport_errors, raise_for_status
+from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.errors import TransportError
+from lorafleet.protocol.agent import (
+    REPR_DIGEST_HEADER,
+    UPLOAD_OFFSET_HEADER,
+    AdapterList,
+    AdapterRecord,
+    AgentInfo,
+    FileProgress,
+    Health,
+    LoadMode,
+    OpenUploadRequest,
+    RegisterPathRequest,
+    UploadSession,
+    UploadStatus,
+    file_url,
+    upload_url,
+)
+
+__all__ = ["AsyncAgentClient"]
+
+Source = str | os.PathLike | bytes | bytearray | memoryview
+Progress = Callable[[int, int], Any]
+
+
+def _repr_digest(sha256_hex: str) -> str:
+    return f"sha-256=:{base64.b64encode(bytes.fromhex(sha256_hex)).decode()}:"
+
+
+class AsyncAgentClient:
+    """Talks to one agent. Pass ``client`` to share a connection pool; ``aclose`` closes only
+    a client this object created."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        client: httpx.AsyncClient | None = None,
+        timeout: float | httpx.Timeout = httpx.Timeout(60.0, connect=5.0),
+        max_attempts: int = 5,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = bearer(token)
+        self._own = client is None
+        self._http = client or httpx.AsyncClient(timeout=timeout)
+        self.timeout = timeout
+        self.max_attempts = max_attempts
+
+    async def __aenter__(self) -> AsyncAgentClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        url = self.base_url + path
+        headers = {**self._headers, **kw.pop("headers", {})}
+        with map_transport_errors(url):
+            resp = await self._http.request(method, url, headers=headers, **kw)
+        return raise_for_status(resp)
+
+    # --- open endpoints --------------------------------------------------------------------
+
+    async def info(self) -> AgentInfo:
+        return AgentInfo.model_validate((await self._request("GET", "/v1/info")).json())
+
+    async def health(self) -> Health:
+        """The agent's health, ready or not (a 503 still carries a Health body)."""
+        url = self.base_url + "/health"
+        with map_transport_errors(url):
+            resp = await self._http.get(url)
+        if resp.status_code in (200, 503):
+            return Health.model_validate(resp.json())
+        raise_for_status(resp)
+        raise AssertionError("unreachable")
+
+    # --- uploads ---------------------------------------------------------------------------
+
+    async def open_upload(self, manifest: Manifest) -> UploadSession:
+        body = OpenUploadRequest(manifest=manifest).model_dump(mode="json")
+        resp = await self._request("POST", "/v1/uploads", json=body)
+        return UploadSession.model_validate(resp.json())
+
+    async def upload_status(self, upload_id: str) -> UploadStatus:
+        resp = await self._request("GET", upload_url(upload_id))
+        return UploadStatus.model_validate(resp.json())
+
+    async def upload_offset(self, upload_id: str, path: str) -> int:
+        resp = await self._request("HEAD", file_url(upload_id, path))
+        return int(resp.headers.get(UPLOAD_OFFSET_HEADER, "0"))
+
+    async def upload_file(
+        self,
+        upload_id: str,
+        entry: FileEntry,
+        source: Source,
+        *,
+        chunk_size: int = 1 << 20,
+        on_progress: Progress | None = None,
+    ) -> FileProgress:
+        """Send one file (a path, streamed in chunks, or bytes). Resumes after a dropped
+        connection from the agent's durable offset, up to ``max_attempts`` times."""
+        offset = 0
+        last: Exception | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+                try:
+                    offset = await self.upload_offset(upload_id, entry.path)
+                except TransportError as exc:
+                    last = exc
+                    continue
+            headers = {
+                UPLOAD_OFFSET_HEADER: str(offset),
+                REPR_DIGEST_HEADER: _repr_digest(entry.sha256),
+                "Content-Length": str(entry.size - offset),
+                "Content-Type": "application/octet-stream",
+            }
+            body = _chunks(source, offset, entry.size, chunk_size, on_progress)
+            try:
+                resp = await self._request(
+                    "PUT", file_url(upload_id, entry.path), content=body, headers=headers
+                )
+            except TransportError as exc:
+                last = exc
+                continue
+            return FileProgress.model_validate(resp.json())
+        raise TransportError(
+            f"upload of {entry.path!r} failed after {self.max_attempts} attempts: {last}"
+        )
+
+    async def commit(self, upload_id: str) -> AdapterRecord:
+        resp = await self._request("POST", upload_url(upload_id) + "/commit")
+        return AdapterRecord.model_validate(resp.json())
+
+    async def discard(self, upload_id: str) -> None:
+        await self._request("DELETE", upload_url(upload_id))
+
+    async def register_path(self, manifest: Manifest, path: str | os.PathLike) -> AdapterRecord:
+        body = RegisterPathRequest(manifest=manifest, path=str(path)).model_dump(mode="json")
+        resp = await self._request("POST", "/v1/adapters/register", json=body)
+        return AdapterRecord.model_validate(resp.json())
+
+    # --- adapters --------------------------------------------------------------------------
+
+    async def load(self, name: str, version: int, mode: LoadMode = "versioned") -> AdapterRecord:
+        body = {"name": name, "version": version, "mode": mode}
+        resp = await self._request("POST", "/v1/adapters/load", json=body)
+        return AdapterRecord.model_validate(resp.json())
+
+    async def activate(self, name: str, version: int) -> AdapterRecord:
+        body = {"name": name, "version": version}
+        resp = await self._request("POST", "/v1/adapters/activate", json=body)
+        return AdapterRecord.model_validate(resp.json())
+
+    async def unload(self, name: str, version: int) -> AdapterRecord:
+        body = {"name": name, "version": version}
+        resp = await self._request("POST", "/v1/adapters/unload", json=body)
+        return AdapterRecord.model_validate(resp.json())
+
+    async def list_adapters(self) -> list[AdapterRecord]:
+        resp = await self._request("GET", "/v1/adapters")
+        return AdapterList.model_validate(resp.json()).adapters
+
+
+async def _chunks(
+    source: Source, start: int, size: int, chunk_size: int, on_progress: Progress | None
+) -> AsyncIterator[bytes]:
+    """The bytes of ``source`` from ``start`` to ``size``, in chunks, with bounded memory."""
+    sent = start
+    if isinstance(source, bytes | bytearray | memoryview):
+        view = memoryview(source)
+        while sent < size:
+            chunk = bytes(view[sent : min(size, sent + chunk_size)])
+            yield chunk
+            sent += len(chunk)
+            if on_progress:
+                on_progress(sent, size)
+        return
+    f = await asyncio.to_thread(open, os.fspath(source), "rb")
+    try:
+        await asyncio.to_thread(f.seek, start)
+        while sent < size:
+            chunk = await asyncio.to_thread(f.read, min(chunk_size, size - sent))
+            if not chunk:
+                break
+            yield chunk
+            sent += len(chunk)
+            if on_progress:
+                on_progress(sent, size)
+    finally:
+        f.close()

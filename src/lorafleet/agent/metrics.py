@@ -1,0 +1,44 @@
+"""The agent's Prometheus metrics, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.bytes_received = Counter(
+            "lorafleet_agent_upload_bytes", "Upload bytes received and written", registry=r
+        )
+        self.upload_seconds = Histogram(
+            "lorafleet_agent_upload_file_seconds",
+            "Time to receive and verify one file PUT",
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+        )
+        self.load_seconds = Histogram(
+            "lorafleet_agent_load_seconds",
+            "Engine load duration",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.verification_failures = Counter(
+            "lorafleet_agent_verification_failures",
+            "Uploads or registrations refused by size or digest checks",
+            ["reason"],
+            registry=r,
+        )
+        self.reaped_uploads = Counter(
+            "lorafleet_agent_reaped_uploads", "Upload sessions reaped after the TTL", registry=r
+        )
+        self.reconciliations = Counter(
+            "lorafleet_agent_reconciliations",
+            "Adapters reinstalled into the engine by the reconciler",
+            registry=r,
+        )
+        self.store_bytes = Gauge(
+            "lorafleet_agent_store_bytes", "Bytes held in the blob store and staging", registry=r
+        )

@@ -1,0 +1,104 @@
+"""Durable desired state: one row per adapter version in ``<data_dir>/state.db`` (sqlite3).
+
+The engine forgets everything when it restarts; this table is what the reconciler reinstalls.
+Writes are small and rare, so they run inline with ``synchronous=FULL``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from lorafleet.bundle.manifest import Manifest
+from lorafleet.protocol.agent import AdapterRecord, AdapterState
+
+__all__ = ["StateDB", "StoredAdapter"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    name TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    digest TEXT NOT NULL,
+    engine_name TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    state TEXT NOT NULL,
+    path TEXT NOT NULL,
+    error TEXT,
+    manifest TEXT NOT NULL,
+    PRIMARY KEY (name, version)
+)
+"""
+
+
+class StoredAdapter:
+    """A record plus the manifest it was committed from (for rank checks and blob GC)."""
+
+    def __init__(self, record: AdapterRecord, manifest: Manifest) -> None:
+        self.record = record
+        self.manifest = manifest
+
+    @property
+    def shas(self) -> list[str]:
+        return [f.sha256 for f in self.manifest.files]
+
+
+class StateDB:
+    def __init__(self, path: str | Path) -> None:
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def put(self, item: StoredAdapter) -> None:
+        r = item.record
+        self._db.execute(
+            "INSERT OR REPLACE INTO adapters VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                r.name,
+                r.version,
+                r.digest,
+                r.engine_name,
+                r.mode,
+                r.state.value,
+                r.path,
+                r.error,
+                item.manifest.model_dump_json(),
+            ),
+        )
+
+    def delete(self, name: str, version: int) -> None:
+        self._db.execute("DELETE FROM adapters WHERE name=? AND version=?", (name, version))
+
+    def get(self, name: str, version: int) -> StoredAdapter | None:
+        rows = self._select("WHERE name=? AND version=?", (name, version))
+        return rows[0] if rows else None
+
+    def by_name(self, name: str) -> list[StoredAdapter]:
+        return self._select("WHERE name=? ORDER BY version", (name,))
+
+    def all(self) -> list[StoredAdapter]:
+        return self._select("ORDER BY name, version", ())
+
+    def _select(self, where: str, args: tuple) -> list[StoredAdapter]:
+        cur = self._db.execute(
+            "SELECT name, version, digest, engine_name, mode, state, path, error, manifest "
+            f"FROM adapters {where}",
+            args,
+        )
+        out = []
+        for name, version, digest, ename, mode, state, path, error, manifest in cur.fetchall():
+            rec = AdapterRecord(
+                name=name,
+                version=version,
+                digest=digest,
+                engine_name=ename,
+                mode=mode,
+                state=AdapterState(state),
+                path=path,
+                error=error,
+            )
+            out.append(StoredAdapter(rec, Manifest.model_validate_json(manifest)))
+        return out

@@ -1,0 +1,472 @@
+"""Upload sessions: refuse early, stream to disk while hashing, resume, verify, adopt into blobs.
+
+A session is opened for one manifest. Each missing file is PUT as raw bytes; the handler writes
+batches off the event loop (write and hash run in parallel threads while the loop receives the
+next batch) and stops the moment a file exceeds its declared size. A broken connection leaves a
+durable, fsynced prefix whose length ``HEAD`` reports; the running hash stays in memory so a
+resumed PUT does not re-read it. Verified files are fsynced and renamed into ``blobs/sha256/``.
+Sessions live in memory: staging is cleared at startup, so nothing survives a restart half-done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from lorafleet._service import ServiceError
+from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.store import Store, free_bytes
+from lorafleet.bundle.manifest import FileEntry, Manifest, PathError, check_file_path
+from lorafleet.protocol.agent import UPLOAD_OFFSET_HEADER, FileProgress, UploadSession, UploadStatus
+from lorafleet.protocol.errors import ErrorCode
+
+__all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
+
+_BATCH = 8 << 20  # bytes handed to the writer threads at once
+_IOV_MAX = 512
+_RESERVE = 1 << 30  # free disk kept back when no quota is configured
+
+
+@dataclass
+class UploadLimits:
+    max_file_bytes: int = 128 << 30
+    quota_bytes: int | None = None
+    ttl_s: float = 600.0
+
+
+@dataclass
+class _File:
+    entry: FileEntry
+    offset: int = 0
+    """Durable (fsynced) bytes in the partial file."""
+    hasher: object | None = None
+    """sha256 of exactly ``offset`` bytes, or None (re-hash the partial on resume)."""
+    complete: bool = False
+    task: asyncio.Task | None = None
+    """The PUT writing this file now, if any."""
+
+
+@dataclass
+class _Session:
+    id: str
+    manifest: Manifest
+    files: dict[str, _File]
+    missing: list[str]
+    reserved: int
+    added_blobs: set[str] = field(default_factory=set)
+    last_active: float = field(default_factory=time.monotonic)
+    closed: bool = False
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        return any(f.task is not None for f in self.files.values())
+
+
+def parse_sha256_digest(value: str, header: str) -> str:
+    """Hex sha256 from an RFC 9530 dictionary value such as ``sha-256=:<base64>:``."""
+    for item in value.split(","):
+        key, _, val = item.strip().partition("=")
+        if key.strip().lower() == "sha-256":
+            val = val.strip()
+            if len(val) >= 2 and val[0] == ":" and val[-1] == ":":
+                try:
+                    raw = base64.b64decode(val[1:-1], validate=True)
+                except (binascii.Error, ValueError):
+                    break
+                if len(raw) == 32:
+                    return raw.hex()
+            break
+    raise ServiceError(
+        ErrorCode.INVALID_REQUEST, f"{header} needs a sha-256=:<base64>: member", param=header
+    )
+
+
+def _write_and_hash(fd: int, parts: list[bytes]) -> None:
+    for i in range(0, len(parts), _IOV_MAX):
+        chunk = parts[i : i + _IOV_MAX]
+        todo = sum(len(p) for p in chunk)
+        n = os.writev(fd, chunk)
+        if n != todo:  # short write: finish the rest plainly
+            rest = memoryview(b"".join(chunk))[n:]
+            while rest:
+                rest = rest[os.write(fd, rest) :]
+
+
+def _hash_parts(parts: list[bytes], *hashers) -> None:
+    for p in parts:
+        for h in hashers:
+            h.update(p)
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rehash(path: str, length: int) -> object:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = length
+        while left:
+            buf = f.read(min(_BATCH, left))
+            if not buf:
+                break
+            h.update(buf)
+            left -= len(buf)
+    return h
+
+
+class UploadManager:
+    """Open sessions, in memory, over the durable ``Store``."""
+
+    def __init__(self, store: Store, limits: UploadLimits, metrics: Metrics) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self.sessions: dict[str, _Session] = {}
+
+    # --- open ------------------------------------------------------------------------------
+
+    def open(self, manifest: Manifest, check_version: Callable[[Manifest], None]) -> UploadSession:
+        """Refuse at once what can be refused from the manifest; else open a session."""
+        for f in manifest.files:
+            try:
+                check_file_path(f.path)
+            except PathError as exc:
+                code = ErrorCode.PATH_ESCAPE if exc.kind == "escape" else ErrorCode.FILE_NOT_ALLOWED
+                raise ServiceError(code, str(exc), param=f.path) from None
+        for f in manifest.files:
+            if f.size > self.limits.max_file_bytes:
+                raise ServiceError(
+                    ErrorCode.FILE_TOO_LARGE,
+                    f"file {f.path!r} is {f.size} bytes, over the per-file cap of "
+                    f"{self.limits.max_file_bytes} bytes",
+                    param=f.path,
+                )
+        for s in self.sessions.values():
+            if s.manifest.name == manifest.name:
+                raise ServiceError(
+                    ErrorCode.PUBLISH_IN_PROGRESS,
+                    f"upload {s.id} for adapter {manifest.name!r} (version "
+                    f"{s.manifest.version}) is still open; commit or discard it first",
+                )
+        check_version(manifest)
+        missing, present, needed, seen = [], [], 0, set()
+        for f in manifest.files:
+            if self.store.has_blob(f.sha256, f.size):
+                present.append(f.path)
+            else:
+                missing.append(f.path)
+                if f.sha256 not in seen:
+                    needed += f.size
+                    seen.add(f.sha256)
+        available = self.available_bytes()
+        if needed > available:
+            raise ServiceError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"adapter {manifest.name!r} v{manifest.version} needs {needed} bytes of storage, "
+                f"only {available} bytes are available",
+            )
+        sid = uuid.uuid4().hex
+        files = {p: _File(manifest.file(p)) for p in missing}
+        for p in present:
+            files[p] = _File(manifest.file(p), offset=manifest.file(p).size, complete=True)
+        self.sessions[sid] = _Session(sid, manifest, files, missing, reserved=needed)
+        return UploadSession(
+            upload_id=sid, missing=missing, present=present, expires_in_s=self.limits.ttl_s
+        )
+
+    def available_bytes(self) -> int:
+        """Bytes a new session may reserve: quota (or free disk) minus what is used or promised."""
+        if self.limits.quota_bytes is not None:
+            own = sum(
+                self.store.blob_path(sha).stat().st_size
+                for s in self.sessions.values()
+                for sha in s.added_blobs
+                if self.store.blob_path(sha).exists()
+            )
+            committed = self.store.blob_bytes() - own
+            promised = sum(s.reserved for s in self.sessions.values())
+            return max(0, self.limits.quota_bytes - committed - promised)
+        outstanding = sum(
+            s.reserved - sum(f.offset for f in s.files.values() if not f.complete)
+            for s in self.sessions.values()
+        )
+        return max(0, free_bytes(self.store.root) - _RESERVE - outstanding)
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    def get(self, upload_id: str) -> _Session:
+        s = self.sessions.get(upload_id)
+        if s is None or s.closed:
+            raise ServiceError(ErrorCode.UPLOAD_NOT_FOUND, f"no open upload {upload_id!r}")
+        return s
+
+    def _file(self, s: _Session, path: str) -> _File:
+        f = s.files.get(path)
+        if f is None:
+            raise ServiceError(
+                ErrorCode.NOT_FOUND, f"file {path!r} is not in upload {s.id}'s manifest", param=path
+            )
+        return f
+
+    def offset(self, upload_id: str, path: str) -> int:
+        s = self.get(upload_id)
+        s.touch()
+        return self._file(s, path).offset
+
+    def status(self, upload_id: str) -> UploadStatus:
+        s = self.get(upload_id)
+        return UploadStatus(
+            upload_id=s.id,
+            name=s.manifest.name,
+            version=s.manifest.version,
+            files=[_progress(f) for f in s.files.values()],
+        )
+
+    # --- PUT -------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        upload_id: str,
+        path: str,
+        body: AsyncIterator[bytes],
+        *,
+        offset: int | None,
+        content_length: int | None,
+        repr_digest: str | None,
+        content_digest: str | None,
+    ) -> FileProgress:
+        s = self.get(upload_id)
+        f = self._file(s, path)
+        entry = f.entry
+        if f.complete:
+            return _progress(f)  # idempotent: already verified (or deduplicated)
+        if f.task is not None:
+            raise ServiceError(
+                ErrorCode.OFFSET_MISMATCH,
+                f"another PUT for {path!r} is in progress",
+                headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
+            )
+        start = offset or 0
+        if start != f.offset:
+            raise ServiceError(
+                ErrorCode.OFFSET_MISMATCH,
+                f"{path!r}: Upload-Offset {start} differs from the durable offset {f.offset}",
+                headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
+            )
+        if repr_digest is not None:
+            want = parse_sha256_digest(repr_digest, "Repr-Digest")
+            if want != entry.sha256:
+                self.metrics.verification_failures.labels("digest").inc()
+                raise ServiceError(
+                    ErrorCode.DIGEST_MISMATCH,
+                    f"{path!r}: Repr-Digest sha256 {want} differs from the manifest's "
+                    f"{entry.sha256}",
+                    param=path,
+                )
+        chunk_want = (
+            parse_sha256_digest(content_digest, "Content-Digest") if content_digest else None
+        )
+        if content_length is not None and start + content_length > entry.size:
+            self.metrics.verification_failures.labels("size").inc()
+            self._reset(s, f)
+            raise ServiceError(
+                ErrorCode.SIZE_EXCEEDED,
+                f"{path!r}: Content-Length {content_length} from offset {start} exceeds the "
+                f"declared size of {entry.size} bytes",
+                param=path,
+            )
+        f.task = asyncio.current_task()
+        s.touch()
+        t0 = time.perf_counter()
+        try:
+            return await self._receive(s, f, body, chunk_want)
+        finally:
+            f.task = None
+            s.touch()
+            self.metrics.upload_seconds.observe(time.perf_counter() - t0)
+
+    async def _receive(
+        self, s: _Session, f: _File, body: AsyncIterator[bytes], chunk_want: str | None
+    ) -> FileProgress:
+        entry = f.entry
+        partial = self.store.partial_path(s.id, entry.path)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        if f.hasher is None:
+            f.hasher = (
+                await asyncio.to_thread(_rehash, str(partial), f.offset)
+                if f.offset
+                else hashlib.sha256()
+            )
+        hasher = f.hasher
+        chash = hashlib.sha256() if chunk_want else None
+        hashers = (hasher, chash) if chash else (hasher,)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.ftruncate(fd, f.offset)  # drop anything past the durable offset
+        os.lseek(fd, f.offset, os.SEEK_SET)
+        received = f.offset
+        parts: list[bytes] = []
+        nbuf = 0
+        pending: asyncio.Future | None = None
+
+        def flush() -> asyncio.Future:
+            batch = parts.copy()
+            parts.clear()
+            return asyncio.gather(
+                loop.run_in_executor(None, _write_and_hash, fd, batch),
+                loop.run_in_executor(None, _hash_parts, batch, *hashers),
+            )
+
+        closed = False
+        try:
+            async for chunk in body:
+                if not chunk:
+                    continue
+                received += len(chunk)
+                if received > entry.size:
+                    self.metrics.verification_failures.labels("size").inc()
+                    if pending is not None:
+                        await pending
+                    os.close(fd)
+                    closed = True
+                    self._reset(s, f)
+                    raise ServiceError(
+                        ErrorCode.SIZE_EXCEEDED,
+                        f"{entry.path!r}: more bytes than the declared size of {entry.size}",
+                        param=entry.path,
+                    )
+                parts.append(chunk)
+                nbuf += len(chunk)
+                if nbuf >= _BATCH:
+                    if pending is not None:
+                        await pending
+                    self.metrics.bytes_received.inc(nbuf)
+                    pending = flush()
+                    nbuf = 0
+                    s.touch()
+                if s.closed:
+                    raise ServiceError(ErrorCode.UPLOAD_NOT_FOUND, f"upload {s.id} was discarded")
+            if pending is not None:
+                await pending
+                pending = None
+            if parts:
+                self.metrics.bytes_received.inc(nbuf)
+                await flush()
+            await asyncio.to_thread(_fsync_close, fd)
+            closed = True
+        except ServiceError:
+            raise
+        except BaseException:
+            # Broken connection (ClientDisconnect) or cancellation: keep the verified prefix
+            # durable so the client resumes from HEAD's Upload-Offset.
+            if not closed:
+                with contextlib.suppress(BaseException):
+                    if pending is not None:
+                        await asyncio.shield(pending)
+                    if parts:
+                        await asyncio.shield(flush())
+                    await asyncio.shield(asyncio.to_thread(_fsync_close, fd))
+                    closed = True
+                    f.offset = received
+            if not closed:
+                os.close(fd)
+                f.hasher = None
+                f.offset = os.path.getsize(partial) if partial.exists() else 0
+            if s.closed:
+                self.store.remove_upload(s.id)
+            raise
+        f.offset = received
+        if received != entry.size:
+            self.metrics.verification_failures.labels("size").inc()
+            self._reset(s, f)
+            raise ServiceError(
+                ErrorCode.SIZE_MISMATCH,
+                f"{entry.path!r}: declared {entry.size} bytes, received {received}",
+                param=entry.path,
+            )
+        if chash is not None and chash.hexdigest() != chunk_want:
+            self.metrics.verification_failures.labels("digest").inc()
+            self._reset(s, f)
+            raise ServiceError(
+                ErrorCode.DIGEST_MISMATCH,
+                f"{entry.path!r}: Content-Digest sha256 {chunk_want}, body hashed to "
+                f"{chash.hexdigest()}",
+                param=entry.path,
+            )
+        actual = hasher.hexdigest()
+        if actual != entry.sha256:
+            self.metrics.verification_failures.labels("digest").inc()
+            self._reset(s, f)
+            raise ServiceError(
+                ErrorCode.DIGEST_MISMATCH,
+                f"{entry.path!r}: declared sha256 {entry.sha256}, received {actual}",
+                param=entry.path,
+            )
+        if self.store.adopt_blob(partial, entry.sha256):
+            s.added_blobs.add(entry.sha256)
+        f.complete = True
+        f.hasher = None
+        return _progress(f)
+
+    def _reset(self, s: _Session, f: _File) -> None:
+        """Forget every byte of one file (after a refusal nothing of it may remain)."""
+        self.store.partial_path(s.id, f.entry.path).unlink(missing_ok=True)
+        f.offset = 0
+        f.hasher = None
+
+    # --- close -----------------------------------------------------------------------------
+
+    def close(self, upload_id: str, *, keep_blobs: bool) -> None:
+        """End a session: remove its staging; unless ``keep_blobs``, GC the blobs it added."""
+        s = self.sessions.pop(upload_id, None)
+        if s is None:
+            return
+        s.closed = True
+        for f in s.files.values():
+            if f.task is not None and f.task is not asyncio.current_task():
+                f.task.cancel()
+        self.store.remove_upload(upload_id)
+        if not keep_blobs:
+            self.gc_blobs(s.added_blobs)
+
+    def gc_blobs(self, shas: set[str] | list[str]) -> None:
+        """Remove blobs no adapter links to and no open session expects."""
+        wanted = {f.sha256 for s in self.sessions.values() for f in s.manifest.files}
+        for sha in shas:
+            if sha not in wanted:
+                self.store.remove_blob_if_unused(sha)
+
+    def reap(self) -> int:
+        """Close sessions idle past the TTL (cancelling a stalled PUT); return how many."""
+        now = time.monotonic()
+        stale = [s.id for s in self.sessions.values() if now - s.last_active > self.limits.ttl_s]
+        for sid in stale:
+            self.close(sid, keep_blobs=False)
+        if stale:
+            self.metrics.reaped_uploads.inc(len(stale))
+        return len(stale)
+
+
+def _progress(f: _File) -> FileProgress:
+    return FileProgress(
+        path=f.entry.path,
+        size=f.entry.size,
+        sha256=f.entry.sha256,
+        offset=f.offset,
+        complete=f.complete,
+    )
