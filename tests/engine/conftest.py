@@ -13,8 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet._procs import free_port, lorafleet_argv
-
 # Mirrors tests/conftest.py (conftest modules are not importable by name).
 VLLM_MAX_LORA_RANK = 16
 
@@ -93,14 +91,3 @@ def loaded(engine: Target, request) -> Iterator[Loaded]:
     lo = Loaded(engine.client, safe)
     yield lo
     lo.cleanup()
-
-
-def start_engine(procs, model: Path, *extra: str) -> str:
-    """Start a dedicated reference engine with extra CLI flags (limits, api key); its URL."""
-    port = free_port()
-    argv = lorafleet_argv(
-        "engine", "--model", str(model), "--served-model-name", "tiny", "--port", str(port), *extra
-    )
-    url = f"http://127.0.0.1:{port}"
-    procs.start(argv, ready_url=url + "/health", name="engine", timeout=60)
-    return url

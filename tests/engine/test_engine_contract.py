@@ -6,23 +6,13 @@ test_engine_reference.py.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
 
 import httpx
 import pytest
-
-PROMPT = "The quick brown fox"
-
-
-@functools.lru_cache(maxsize=None)
-def expected(base: str, adapter: str | None, prompt: str = PROMPT, n: int = 8) -> str:
-    """HF transformers greedy with the adapter merged: the ground truth for every engine."""
-    from lorafleet.testing import merged_greedy
-
-    return merged_greedy(base, adapter, prompt, max_tokens=n)
+from engine_helpers import PROMPT, expected, expected_ids
 
 
 def complete(engine, model: str | None = None, prompt=PROMPT, **kw) -> dict:
@@ -86,6 +76,8 @@ def test_completion_shape_and_greedy_matches_transformers(engine, tiny_model):
     if choice["finish_reason"] == "length":
         assert usage["completion_tokens"] == 8
     assert choice["text"] == expected(str(tiny_model), None)
+    ids = complete(engine, return_token_ids=True)["choices"][0]["token_ids"]
+    assert ids == expected_ids(str(tiny_model), None)
     assert complete(engine)["choices"][0]["text"] == choice["text"]  # deterministic
 
 
@@ -237,9 +229,10 @@ def test_load_select_list_unload(engine, loaded, adapters, tiny_model):
     assert card["object"] == "model"
     assert card["parent"] == engine.model
     assert card["root"] == str(adapters["a"])
-    text = complete(engine, model=name)
-    assert text["model"] == name
-    assert text["choices"][0]["text"] == expected(str(tiny_model), str(adapters["a"]))
+    body = complete(engine, model=name, return_token_ids=True)
+    assert body["model"] == name
+    assert body["choices"][0]["text"] == expected(str(tiny_model), str(adapters["a"]))
+    assert body["choices"][0]["token_ids"] == expected_ids(str(tiny_model), str(adapters["a"]))
     # The base model is untouched while an adapter is loaded.
     assert complete(engine)["choices"][0]["text"] == expected(str(tiny_model), None)
     r = loaded.unload(name)

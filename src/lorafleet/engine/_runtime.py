@@ -209,9 +209,7 @@ class Runtime:
                 if cancelled is not None and cancelled.is_set():
                     finish = "abort"
                     break
-                out = self.model(
-                    input_ids=step_input, cache=past, use_cache=True, logits_to_keep=1
-                )
+                out = self.model(input_ids=step_input, cache=past, use_cache=True, logits_to_keep=1)
                 past = out.cache
                 tok, logp = self._pick(out.logits[0, -1].float(), params, gen)
                 out_ids.append(tok)
@@ -239,6 +237,9 @@ class Runtime:
                 if done:
                     break
                 step_input = torch.tensor([[tok]], dtype=torch.long)
+        # Like vLLM's incremental detokenizer: bytes of an unfinished UTF-8 character at the very
+        # end never become text (HF's decode would show them as U+FFFD).
+        text = text.rstrip("\ufffd")
         if emit is not None and released < len(text):
             emit(TokenEvent(-1, text[released:]))  # flush what was held back at "length"
         return GenResult(out_ids, text, finish, stop_reason, len(prompt_ids))

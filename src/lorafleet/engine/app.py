@@ -313,6 +313,7 @@ def create_app(runtime: Runtime, *, api_key: str | None = None) -> FastAPI:
                 seed=req.seed,
                 stop=_stops(req.stop),
                 logprobs=req.logprobs,
+                ignore_eos=bool(req.ignore_eos),
             )
             for _, ids in prompts
         ]
@@ -449,6 +450,7 @@ def create_app(runtime: Runtime, *, api_key: str | None = None) -> FastAPI:
             seed=req.seed,
             stop=_stops(req.stop),
             logprobs=top if req.logprobs else None,
+            ignore_eos=bool(req.ignore_eos),
         )
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

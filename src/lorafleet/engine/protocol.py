@@ -43,6 +43,7 @@ class _SamplingFields(_Open):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
+    ignore_eos: bool | None = False  # vLLM's extra sampling parameter
     # SGLang's OpenAI routes also take the adapter as ``lora_path`` in the body.
     lora_path: str | None = None
 
