@@ -153,7 +153,8 @@ def status_command(data_dir: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(status.to_json(), indent=2))
     else:
-        console = Console()
+        # Piped output (logs, tests) gets full-width tables instead of 80 truncated columns.
+        console = Console(width=None if sys.stdout.isatty() else 120)
         for renderable in render_status(status, info):
             console.print(renderable)
     if not status.router_healthy or not all(r.healthy for r in status.replicas):

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,12 @@ class DemoSummary:
         return asdict(self)
 
 
+def _clean(text: str) -> str:
+    """Drop U+FFFD: an untrained model emits stray bytes whose trailing partial UTF-8 sequence is
+    rendered as U+FFFD or dropped depending on the detokenizer; neither is part of the answer."""
+    return text.replace("\ufffd", "")
+
+
 def _percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (no interpolation: a reported latency was really observed)."""
     if not values:
@@ -99,7 +106,7 @@ class _RouterClient:
         r.raise_for_status()
         body = r.json()
         tag = body.get("lorafleet") or {}
-        return body["choices"][0]["text"], tag.get("version")
+        return _clean(body["choices"][0]["text"]), tag.get("version")
 
     def probe(self, model: str) -> str:
         """What a client sees right now, as one line (used while the fleet is broken)."""
@@ -132,6 +139,7 @@ class _View:
         self.interactive = console.is_terminal
 
     def table(self) -> Any:
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"training '{ADAPTER}' on CPU, publishing every step", title_justify="left")
@@ -141,6 +149,7 @@ class _View:
         t.add_column("publish", justify="right")
         t.add_column("reward", justify="left")
         t.add_column("served (router, greedy)")
+        t.add_column("= trainer", justify="center")
         for r in self.rows:
             bar = "█" * round(r.reward * 10)
             style = "green" if r.reward >= SUCCESS_REWARD else "yellow"
@@ -151,7 +160,8 @@ class _View:
                 "-" if r.loss is None else f"{r.loss:.3f}",
                 "-" if r.publish_s is None else f"{r.publish_s * 1000:.0f} ms",
                 f"[{style}]{r.reward:.2f} {bar}[/]",
-                repr(r.output),
+                escape(repr(r.output)),
+                "[green]✓[/]" if r.output == r.trainer_output else "[red]✗[/]",
             )
         return t
 
@@ -166,12 +176,13 @@ class _View:
             self.live.update(self.table(), refresh=True)
         else:
             self.console.print(
-                f"step {record.step:>2} [{record.phase}] version="
+                f"step {record.step:>2} ({record.phase}) version="
                 f"{'-' if record.version is None else record.version} "
                 f"loss={'-' if record.loss is None else f'{record.loss:.3f}'} "
                 f"publish={'-' if record.publish_s is None else f'{record.publish_s * 1000:.0f}ms'}"
                 f" reward={record.reward:.2f} served={record.output!r}",
                 highlight=False,
+                markup=False,
             )
 
     def note(self, message: str) -> None:
@@ -182,6 +193,18 @@ class _View:
             self.live.stop()
         else:
             self.console.print(self.table())
+
+
+def _quiet_hf() -> None:
+    """No weight-loading progress bars or deprecation chatter between the demo's rows."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
 
 
 def run_demo(
@@ -199,7 +222,9 @@ def run_demo(
     """
     from rich.console import Console
 
-    console = console or Console()
+    _quiet_hf()
+    # Piped output (CI logs, tests) gets the full table rather than 80 wrapped columns.
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
     if steps < 2:
         raise ValueError("the demo needs at least 2 steps")
     t0 = time.monotonic()
@@ -275,7 +300,7 @@ def _run(console: Any, *, steps: int, resume: bool, root: Path, t0: float) -> De
                         reward=reward(output),
                         output=output,
                         served_version=served,
-                        trainer_output=trainer.greedy(),
+                        trainer_output=_clean(trainer.greedy()),
                     )
                 )
                 view.add(records[-1])
@@ -371,7 +396,7 @@ def _crash_and_restore(
         reward=reward(output),
         output=output,
         served_version=served,
-        trainer_output=trainer.greedy(),
+        trainer_output=_clean(trainer.greedy()),
     )
     records.append(record)
     view.add(record)

@@ -209,9 +209,6 @@ class LocalFleet:
 
     def _start_engines(self, replicas: list[_Replica]) -> None:
         managed = [r for r in replicas if r.config.managed_engine]
-        # Engines are tiny-model CPU servers here; one thread each keeps two of them and a
-        # trainer from oversubscribing a small box. An explicit OMP_NUM_THREADS wins.
-        env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
         for r in managed:
             self._on_event(f"starting reference engine {r.index} on {r.engine_url}")
             r.engine = ManagedProcess(
@@ -232,7 +229,6 @@ class LocalFleet:
                 ),
                 ready_url=r.engine_url + "/health",
                 log_path=self.data_dir / "logs" / f"engine-{r.index}.log",
-                env=env,
                 name=f"engine-{r.index}",
             )
         for r in managed:

@@ -152,19 +152,20 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
     fleet.add_row("in-flight", "?" if status.inflight_total is None else str(status.inflight_total))
 
     replicas = Table(title="replicas", title_justify="left")
-    for col in ("#", "replica", "engine", "engine url", "agent url", "health", "in-flight"):
-        replicas.add_column(col)
+    replicas.add_column("replica", no_wrap=True)
+    replicas.add_column("engine")
+    replicas.add_column("engine url", overflow="fold")
+    replicas.add_column("health", no_wrap=True)
+    replicas.add_column("in-flight", justify="right")
     replicas.add_column("adapters", justify="right")
     for v in status.replicas:
         health = _yes(v.healthy)
         if not v.healthy and v.health_detail:
             health += f" ({v.health_detail})"
         replicas.add_row(
-            str(v.index),
-            v.replica_id or "?",
+            v.replica_id or v.agent_url,
             v.engine,
             v.engine_url,
-            v.agent_url,
             health,
             "?" if v.inflight is None else str(v.inflight),
             str(len(v.adapters)),
