@@ -33,12 +33,6 @@ start_agent = _root.start_agent
 start_reference_engine = _root.start_reference_engine
 
 
-def reference_engine_available() -> bool:
-    from lorafleet.engine.cli import command
-
-    return not (command.help or "").startswith("Not implemented")
-
-
 @pytest.fixture(scope="session")
 def peft_dir(tiny_model, tmp_path_factory) -> Path:
     """A real PEFT adapter (r=8, q/k/v/o, random weights)."""
@@ -62,17 +56,9 @@ def peft_dir_rank32(tiny_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(request, session_procs, tiny_model) -> tuple[str, Server]:
-    """(kind, server): the reference engine when it exists, else real vLLM.
-
-    ``LORAFLEET_TEST_VLLM_URL`` points the tests at an already running vLLM (for iterating).
-    """
-    url = os.environ.get("LORAFLEET_TEST_VLLM_URL")
-    if url:
-        return "vllm", Server(url=url, proc=None, port=int(url.rsplit(":", 1)[1]))  # type: ignore[arg-type]
-    if reference_engine_available():
-        return "reference", start_reference_engine(session_procs, tiny_model, max_lora_rank=16)
-    return "vllm", request.getfixturevalue("vllm_server")
+def engine(session_procs, tiny_model) -> tuple[str, Server]:
+    """(backend kind, server): one reference engine (max rank 16, like the vLLM tier)."""
+    return "reference", start_reference_engine(session_procs, tiny_model, max_lora_rank=16)
 
 
 @pytest.fixture

@@ -1,0 +1,111 @@
+"""The backends end to end: engine crash + restart, SGLang dialect, real vLLM."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from test_publish_flow import call, publish
+
+from conftest import completion, start_agent, start_reference_engine
+from lorafleet.bundle import AdapterBundle
+
+
+def _engine_adapters(url: str) -> set[str]:
+    try:
+        r = httpx.get(url + "/v1/models", timeout=2)
+    except httpx.HTTPError:
+        return set()
+    return {c["id"] for c in r.json()["data"] if c.get("parent")}
+
+
+def test_engine_killed_and_restarted_is_reconciled(
+    procs, tiny_model, peft_dir, peft_dir2, tmp_path
+):
+    eng = start_reference_engine(procs, tiny_model, max_lora_rank=16)
+    agent = start_agent(procs, eng, tmp_path / "agent", kind="reference")
+    publish(agent, AdapterBundle.from_dir(peft_dir, name="crash", version=1))
+    call(agent, lambda c: c.activate("crash", 1))
+    publish(agent, AdapterBundle.from_dir(peft_dir2, name="other", version=3), mode="in_place")
+    want = {"crash@v1", "other"}
+    assert _engine_adapters(eng.url) == want
+    before = completion(eng.url, "crash@v1")
+
+    eng.proc.kill()  # SIGKILL
+    deadline = time.monotonic() + 5
+    while httpx.get(agent.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "agent still reports ready with its engine dead"
+        time.sleep(0.1)
+    assert httpx.get(agent.url + "/v1/info").json()["ready"] is False
+
+    eng2 = start_reference_engine(procs, tiny_model, max_lora_rank=16, port=eng.port)
+    answered = time.monotonic()  # the engine answers /health again
+    while _engine_adapters(eng2.url) != want:
+        assert time.monotonic() - answered < 5, "adapters not reinstalled within 5 s"
+        time.sleep(0.05)
+    reinstalled = time.monotonic() - answered
+    while httpx.get(agent.url + "/health").status_code != 200:
+        assert time.monotonic() - answered < 6
+        time.sleep(0.05)
+    assert completion(eng2.url, "crash@v1") == before
+    states = {(r.name, r.version): r.state.value for r in call(agent, lambda c: c.list_adapters())}
+    assert states == {("crash", 1): "active", ("other", 3): "loaded"}
+    assert "lorafleet_agent_reconciliations_total 2.0" in httpx.get(agent.url + "/metrics").text
+    print(f"reinstalled {len(want)} adapters {reinstalled:.2f}s after the engine answered")
+
+
+def _generate(url: str, lora: str | None) -> list[int]:
+    body = {
+        "text": "The quick brown fox",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        "lora_path": lora,
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    r.raise_for_status()
+    return r.json()["output_ids"]
+
+
+@pytest.mark.parametrize("upsert", [False, True])
+def test_sglang_backend(procs, engine, tmp_path, peft_dir, peft_dir2, upsert):
+    _, eng = engine
+    extra = ["--sglang-upsert"] if upsert else []
+    agent = start_agent(procs, eng, tmp_path / "agent", kind="sglang", extra=extra)
+    info = httpx.get(agent.url + "/v1/info").json()
+    assert info["capabilities"]["kind"] == "sglang" and info["capabilities"]["upsert"] is upsert
+    base = _generate(eng.url, None)
+    # versioned
+    publish(agent, AdapterBundle.from_dir(peft_dir, name="sg", version=1))
+    v1 = _generate(eng.url, "sg@v1")
+    assert v1 != base
+    # in place, twice: the plain name follows the newest version
+    publish(agent, AdapterBundle.from_dir(peft_dir, name="sgp", version=1), mode="in_place")
+    assert _generate(eng.url, "sgp") == v1
+    publish(agent, AdapterBundle.from_dir(peft_dir2, name="sgp", version=2), mode="in_place")
+    assert _generate(eng.url, "sgp") not in (v1, base)
+    for name, v in (("sg", 1), ("sgp", 1), ("sgp", 2)):
+        call(agent, lambda c, name=name, v=v: c.unload(name, v))
+    assert _engine_adapters(eng.url) == set()
+
+
+@pytest.mark.vllm
+def test_vllm_backend_end_to_end(procs, vllm_server, tmp_path, peft_dir, peft_dir2):
+    agent = start_agent(procs, vllm_server, tmp_path / "agent", kind="vllm")
+    caps = httpx.get(agent.url + "/v1/info").json()["capabilities"]
+    assert caps["kind"] == "vllm" and caps["unload_frees_slot"] is False
+    base = completion(vllm_server.url, "tiny")
+    publish(agent, AdapterBundle.from_dir(peft_dir, name="vl", version=1))
+    out1 = completion(vllm_server.url, "vl@v1")
+    assert out1 != base
+    publish(agent, AdapterBundle.from_dir(peft_dir2, name="vl", version=2))
+    call(agent, lambda c: c.activate("vl", 2))
+    assert completion(vllm_server.url, "vl@v2") not in (out1, base)
+    # in place: load_inplace under the plain name, each version from its own path
+    publish(agent, AdapterBundle.from_dir(peft_dir, name="vlp", version=1), mode="in_place")
+    assert completion(vllm_server.url, "vlp") == out1
+    publish(agent, AdapterBundle.from_dir(peft_dir2, name="vlp", version=2), mode="in_place")
+    assert completion(vllm_server.url, "vlp") != out1
+    for name, v in (("vl", 1), ("vl", 2), ("vlp", 1), ("vlp", 2)):
+        call(agent, lambda c, name=name, v=v: c.unload(name, v))
+    assert _engine_adapters(vllm_server.url) == set()
+    assert list((agent.data_dir / "blobs" / "sha256").iterdir()) == []
