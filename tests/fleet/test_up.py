@@ -1,0 +1,106 @@
+"""``lorafleet up`` and ``lorafleet status`` as real subprocesses on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lorafleet._procs import ManagedProcess, lorafleet_argv
+from lorafleet.fleet.state import FleetInfo, pid_alive, read_fleet_file
+
+
+def _wait_for_fleet(up: ManagedProcess, data_dir: Path, timeout: float = 150.0) -> FleetInfo:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not up.alive():
+            pytest.fail(f"lorafleet up exited with {up.proc.returncode}:\n{up.log_tail()}")
+        if (data_dir / "fleet.json").exists():
+            return read_fleet_file(data_dir)
+        time.sleep(0.2)
+    pytest.fail("fleet.json never appeared:\n" + up.log_tail())
+
+
+def _port_open(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(lorafleet_argv(*args), capture_output=True, text=True, timeout=60)
+
+
+def test_up_status_and_sigint_shutdown(tmp_path: Path, tiny_model: Path) -> None:
+    data_dir = tmp_path / "fleet"
+    up = ManagedProcess(
+        lorafleet_argv("up", "--data-dir", str(data_dir), "--engines", "2"),
+        log_path=tmp_path / "up.log",
+        name="up",
+    )
+    try:
+        info = _wait_for_fleet(up, data_dir)
+        assert stat.S_IMODE((data_dir / "fleet.json").stat().st_mode) == 0o600
+        assert info.pid == up.pid
+        assert len(info.replicas) == 2 and info.control_token and info.api_key
+        pids = [info.router_pid] + [
+            p for r in info.replicas for p in (r.agent_pid, r.engine_pid) if p
+        ]
+        assert len(pids) == 5 and all(pid_alive(p) for p in pids)
+        urls = [info.router_url] + [u for r in info.replicas for u in (r.agent_url, r.engine_url)]
+        # The banner carries the secrets and URLs.
+        banner = up.log_tail(80)
+        assert info.control_token in banner and info.api_key in banner
+        assert info.router_url in banner
+
+        # A second fleet on the same data directory is refused, and starts nothing.
+        again = _run("up", "--data-dir", str(data_dir))
+        assert again.returncode != 0 and "already running" in again.stderr
+
+        status = _run("status", "--data-dir", str(data_dir))
+        assert status.returncode == 0, status.stdout + status.stderr
+        for r in info.replicas:
+            replica_id = r.agent_url.removeprefix("http://")
+            row = next(line for line in status.stdout.splitlines() if replica_id in line)
+            assert "healthy" in row and "unhealthy" not in row
+        assert "active versions" in status.stdout
+
+        as_json = json.loads(_run("status", "--data-dir", str(data_dir), "--json").stdout)
+        assert as_json["router_healthy"] is True
+        assert [r["healthy"] for r in as_json["replicas"]] == [True, True]
+        assert as_json["inflight_total"] == 0
+
+        # Ctrl-C (SIGINT to the `up` process only, as a terminal's would be with our sessions).
+        os.kill(up.pid, signal.SIGINT)
+        assert up.proc.wait(60) == 0, up.log_tail()
+        assert "fleet stopped" in up.log_tail()
+        assert not (data_dir / "fleet.json").exists()
+        for pid in pids:
+            assert not pid_alive(pid), f"pid {pid} survived"
+        for url in urls:
+            assert not _port_open(url), f"{url} still listening"
+        # Logs and agent stores stay for inspection.
+        assert (data_dir / "logs" / "router.log").exists()
+    finally:
+        up.stop()
+
+
+def test_status_without_a_fleet(tmp_path: Path) -> None:
+    out = _run("status", "--data-dir", str(tmp_path))
+    assert out.returncode != 0
+    assert "lorafleet up" in out.stderr
+
+
+def test_up_rejects_a_bad_fleet_file(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.toml"
+    bad.write_text("[[replica]]\nengine = 'vllm'\n")
+    out = _run("up", str(bad), "--data-dir", str(tmp_path / "d"))
+    assert out.returncode == 2 and "needs url" in out.stderr
