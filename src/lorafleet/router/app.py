@@ -116,7 +116,8 @@ class RouterApp:
 
     def export_gauges(self) -> None:
         """In-flight gauges are set at scrape time so the hot path does no gauge work."""
-        for (adapter, version), (_, gauge) in self.metrics._children.items():
+        for adapter, version in set(self.metrics._children) | set(self.balancer.inflight):
+            _, gauge = self.metrics.children(adapter, version)
             gauge.set(self.balancer.count(adapter, version))
         for r in self.balancer.replicas:
             self.metrics.replica_inflight.labels(r.replica_id or r.agent_url).set(r.inflight)

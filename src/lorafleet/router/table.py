@@ -168,9 +168,9 @@ class AliasStore:
         aliases = {**self.aliases, name: entry}
         log = [*self.log, event][-MAX_LOG:]
         self._persist(aliases, log, event.seq, self.leases)
-        # Swap after the write: what the caller is told is what a restart will find.
-        # The timestamp is taken at the swap, the instant new requests start resolving to it.
-        event.ts = time.time()
+        # Swap after the write: what the caller is told is what a restart will find. The write
+        # and the swap run in one synchronous block, so no request is resolved between them and
+        # ``event.ts`` is, to the event loop, the instant the flip happened.
         self.aliases, self.log, self.seq = aliases, log, event.seq
         return entry
 
@@ -183,7 +183,6 @@ class AliasStore:
         aliases = {k: v for k, v in self.aliases.items() if k != name}
         log = [*self.log, event][-MAX_LOG:]
         self._persist(aliases, log, event.seq, self.leases)
-        event.ts = time.time()
         self.aliases, self.log, self.seq = aliases, log, event.seq
         return event
 
