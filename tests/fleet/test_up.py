@@ -104,3 +104,30 @@ def test_up_rejects_a_bad_fleet_file(tmp_path: Path) -> None:
     bad.write_text("[[replica]]\nengine = 'vllm'\n")
     out = _run("up", str(bad), "--data-dir", str(tmp_path / "d"))
     assert out.returncode == 2 and "needs url" in out.stderr
+
+
+def test_local_fleet_fronts_an_engine_it_did_not_start(procs, tiny_model: Path, tmp_path) -> None:
+    """A ``[[replica]] url = ...`` engine: the fleet starts only the agent and leaves it running."""
+    import httpx
+
+    from lorafleet.fleet import FleetConfig, LocalFleet, ReplicaConfig
+    from lorafleet.testing import start_reference_engine
+
+    engine = start_reference_engine(procs, tiny_model)
+    config = FleetConfig(
+        data_dir=tmp_path / "fleet",
+        replicas=(ReplicaConfig(engine="reference", url=engine.url),),
+    )
+    with LocalFleet(config) as fleet:
+        assert fleet.engine_urls == [engine.url]
+        assert fleet.info().replicas[0].engine_pid is None
+        r = httpx.post(
+            fleet.router_url + "/v1/completions",
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        replica_id = httpx.get(fleet.agent_urls[0] + "/v1/info").json()["replica_id"]
+        assert r.json()["lorafleet"]["replica"] == replica_id
+    assert engine.proc.alive()  # not ours to stop
