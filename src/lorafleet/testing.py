@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_TARGETS",
     "Procs",
     "Server",
+    "greedy_completion",
     "make_peft_adapter",
     "make_peft_model",
     "merged_greedy",
@@ -244,3 +245,29 @@ def start_router(
     )
     proc = procs.start(argv, ready_url=url + "/health", name="router", timeout=30)
     return Server(url=url, proc=proc, port=port, token=token, data_dir=state_dir, argv=argv)
+
+
+def greedy_completion(
+    base_url: str, model: str, prompt: str = "The quick brown fox", max_tokens: int = 8
+) -> tuple[int, list[int] | None, dict]:
+    """POST a greedy /v1/completions; return ``(status, token_ids, body)``."""
+    import httpx
+
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        timeout=60,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
+    try:
+        body = r.json()
+    except ValueError:
+        body = {}
+    if r.status_code != 200:
+        return r.status_code, None, body
+    return 200, body["choices"][0].get("token_ids"), body

@@ -1,0 +1,71 @@
+"""What a publication returns: per-replica timings, bytes and the active version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["PublishResult", "ReplicaState", "ReplicaTiming", "Timeouts"]
+
+
+class ReplicaState(str, Enum):
+    """Where one replica stands in a publication."""
+
+    PENDING = "pending"
+    STAGED = "staged"
+    LOADED = "loaded"
+    ACTIVE = "active"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled_back"
+
+
+@dataclass
+class ReplicaTiming:
+    """One replica's share of a publication. Seconds, wall clock."""
+
+    replica: str
+    agent_url: str
+    state: ReplicaState = ReplicaState.PENDING
+    upload_s: float = 0.0
+    verify_s: float = 0.0
+    """Commit on the agent: hard-link assembly and validation (streamed bytes are hashed inline)."""
+    load_s: float = 0.0
+    bytes_sent: int = 0
+    files_sent: int = 0
+    files_deduplicated: int = 0
+    error: str | None = None
+
+
+@dataclass
+class PublishResult:
+    """The outcome of a successful ``Publisher.publish``."""
+
+    name: str
+    version: int
+    mode: str
+    transfer: str
+    engine_name: str
+    digest: str
+    duration_s: float
+    build_s: float
+    """Serializing and hashing the bundle (once, at the sender)."""
+    cutover_s: float
+    retire_s: float
+    bytes_sent: int
+    active_version: int
+    replicas: dict[str, ReplicaTiming] = field(default_factory=dict)
+    retired_versions: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Per-phase limits in seconds."""
+
+    connect: float = 5.0
+    upload: float = 3600.0
+    commit: float = 120.0
+    load: float = 120.0
+    cutover: float = 30.0
+    drain: float = 60.0
+    lease_ttl: float = 600.0

@@ -1,0 +1,298 @@
+"""The Publisher against real agents, reference engines and a router on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from lorafleet.bundle import AdapterBundle
+from lorafleet.errors import AdapterInvalid, PublishError, PublishInProgress, VersionConflict
+from lorafleet.publisher import Publisher
+from lorafleet.testing import (
+    greedy_completion,
+    make_peft_adapter,
+    make_peft_model,
+    merged_greedy_ids,
+)
+
+
+def routed_greedy(router, model):
+    status, ids, body = greedy_completion(router.url, model)
+    assert status == 200, body
+    return ids, body
+
+
+def engine_greedy(engine, model):
+    status, ids, _ = greedy_completion(engine.url, model)
+    return status, ids
+
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": make_peft_adapter(tiny_model, root / "a", r=8, seed=11),
+        "b": make_peft_adapter(tiny_model, root / "b", r=8, seed=12),
+        "big": make_peft_adapter(tiny_model, root / "big", r=32, seed=13),
+    }
+
+
+def _alias(fleet, name):
+    r = httpx.get(
+        f"{fleet.router.url}/v1/control/aliases",
+        headers={"Authorization": f"Bearer {fleet.token}"},
+        timeout=10,
+    )
+    return r.json()["aliases"].get(name)
+
+
+@pytest.mark.parametrize("transfer", ["remote_upload", "shared_filesystem", "in_memory"])
+def test_transfer_modes_deliver_and_serve(make_fleet, adapters, tiny_model, tmp_path, transfer):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    fleet = make_fleet(2, shared=shared)
+    with Publisher(
+        fleet.agent_urls, router=fleet.router.url, token=fleet.token, shared_dir=shared
+    ) as pub:
+        if transfer == "in_memory":
+            source = make_peft_model(tiny_model, r=8, seed=11)
+            res = pub.publish(source, name="policy")
+        else:
+            source = str(adapters["a"])
+            res = pub.publish(source, name="policy", transfer=transfer)
+    assert (res.version, res.active_version, res.engine_name) == (1, 1, "policy@v1")
+    assert set(res.replicas) == {a.url.removeprefix("http://") for a in fleet.agents}
+    if transfer == "shared_filesystem":
+        assert res.bytes_sent == 0
+        assert (shared / "policy" / "v1" / "adapter_model.safetensors").is_file()
+    else:
+        built = (
+            AdapterBundle.from_peft_model(source, name="x")
+            if transfer == "in_memory"
+            else AdapterBundle.from_dir(adapters["a"], name="x")
+        )
+        assert res.bytes_sent == 2 * built.total_size
+    expected = merged_greedy_ids(tiny_model, adapters["a"], PROMPT, 8)
+    routed, body = routed_greedy(fleet.router, "policy")
+    assert body["lorafleet"]["version"] == 1
+    assert routed == expected
+    for engine in fleet.engines:  # each engine serves it directly, identically
+        assert engine_greedy(engine, "policy@v1") == (200, expected)
+    assert fleet.staging_bytes() == [0, 0]
+
+
+def test_republish_dedups_and_retires_old_version(make_fleet, adapters):
+    fleet = make_fleet(2)
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        r1 = pub.publish(str(adapters["a"]), name="policy")
+        r2 = pub.publish(str(adapters["a"]), name="policy")  # same bytes, next version
+        r3 = pub.publish(str(adapters["b"]), name="policy")
+    assert (r1.version, r2.version, r3.version) == (1, 2, 3)
+    assert all(t.files_deduplicated == 2 and t.bytes_sent == 0 for t in r2.replicas.values())
+    assert r2.retired_versions == [1] and r3.retired_versions == [2]
+    for i in range(2):
+        held = {(a["name"], a["version"], a["state"]) for a in fleet.adapters(i)}
+        assert held == {("policy", 3, "active")}
+        assert "policy@v1" not in fleet.engine_models(i)
+    assert _alias(fleet, "policy")["version"] == 3
+
+
+def _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, adapter_v1):
+    expected = merged_greedy_ids(tiny_model, adapter_v1, PROMPT, 8)
+    assert _alias(fleet, "policy")["version"] == 1
+    for _ in range(4):
+        routed, body = routed_greedy(fleet.router, "policy")
+        assert body["lorafleet"]["version"] == 1 and routed == expected
+    for i, engine in enumerate(fleet.engines):
+        assert engine_greedy(engine, "policy@v1") == (200, expected)
+        assert engine_greedy(engine, "policy@v2")[0] == 404
+        assert {a["version"] for a in fleet.adapters(i)} == {1}
+    assert fleet.staging_bytes() == [0] * len(fleet.agents)
+
+
+def test_atomic_rollback_when_one_replica_refuses_rank(make_fleet, adapters, tiny_model):
+    fleet = make_fleet(2, ranks=[64, 16])  # replica 1 cannot take rank 32
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        pub.publish(str(adapters["a"]), name="policy")
+        with pytest.raises(PublishError) as err:
+            pub.publish(str(adapters["big"]), name="policy")
+    bad = fleet.agents[1].url.removeprefix("http://")
+    assert set(err.value.failures) == {bad}
+    assert "rank 32" in err.value.failures[bad]
+    assert "v1 keeps serving" in str(err.value)
+    _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, adapters["a"])
+
+
+def test_atomic_rollback_when_a_replica_dies_mid_upload(make_fleet, tiny_model, tmp_path):
+    fleet = make_fleet(2)
+    small = make_peft_adapter(tiny_model, tmp_path / "small", r=8, seed=21)
+    # a bundle of a few MiB, so that the kill lands mid-stream (the client sends 1 MiB chunks)
+    large = make_peft_model(
+        tiny_model,
+        r=64,
+        seed=22,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    )
+    victim = fleet.agents[1]
+    armed, killed = threading.Event(), threading.Event()
+
+    def on_progress(replica, sent, total):
+        if not armed.is_set() or killed.is_set():
+            return
+        if replica == victim.url.removeprefix("http://") and 0 < sent < total:
+            killed.set()
+            victim.proc.kill()
+
+    with Publisher(
+        fleet.agent_urls, router=fleet.router.url, token=fleet.token, on_progress=on_progress
+    ) as pub:
+        pub.publish(str(small), name="policy")
+        armed.set()
+        with pytest.raises(PublishError) as err:
+            pub.publish(large, name="policy")
+    assert killed.is_set()
+    assert list(err.value.failures) == [victim.url.removeprefix("http://")]
+    # the survivor holds nothing of v2 and no staging, right away
+    assert {a["version"] for a in fleet.adapters(0)} == {1}
+    assert fleet.staging_bytes()[0] == 0
+    # the dead agent restarts on its data dir: stale staging is cleared, v1 is reinstalled
+    fleet.restart_agent(1)
+    _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, small)
+
+
+def test_in_place_fails_closed(make_fleet, adapters):
+    fleet = make_fleet(2, ranks=[64, 16], router=False)
+    with Publisher(fleet.agent_urls, token=fleet.token) as pub:
+        res = pub.publish(str(adapters["a"]), name="policy", mode="in_place")
+        assert res.engine_name == "policy"
+        for e in fleet.engines:
+            assert engine_greedy(e, "policy")[0] == 200
+        with pytest.raises(PublishError) as err:
+            pub.publish(str(adapters["big"]), name="policy", mode="in_place")
+    assert list(err.value.failures) == [fleet.agents[1].url.removeprefix("http://")]
+    for i, e in enumerate(fleet.engines):  # the name is unloaded everywhere
+        assert engine_greedy(e, "policy")[0] == 404
+        assert "policy" not in fleet.engine_models(i)
+        assert fleet.adapters(i) == []
+    assert fleet.staging_bytes() == [0, 0]
+
+
+def test_in_place_upsert_replaces_weights(make_fleet, adapters, tiny_model):
+    fleet = make_fleet(1, router=False)
+    with Publisher(fleet.agent_urls, token=fleet.token) as pub:
+        pub.publish(str(adapters["a"]), name="policy", mode="in_place")
+        pub.publish(str(adapters["b"]), name="policy", mode="in_place")
+    assert engine_greedy(fleet.engines[0], "policy") == (
+        200,
+        merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8),
+    )
+    assert [(a["version"], a["engine_name"]) for a in fleet.adapters(0)] == [(2, "policy")]
+
+
+def test_resumed_run_native_checkpoint_first_publish(make_fleet, adapters, tiny_model):
+    """Seed 004: engines start from base; the first publish installs a native-only checkpoint."""
+    from safetensors.torch import load_file
+
+    fleet = make_fleet(2)
+    tensors = load_file(adapters["b"] / "adapter_model.safetensors")
+    native = {k.replace(".weight", ".default.weight"): v for k, v in tensors.items()}
+    config = json.loads((adapters["b"] / "adapter_config.json").read_text())
+    for e in fleet.engines:
+        assert engine_greedy(e, "policy@v1")[0] == 404  # fresh from base
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        res = pub.publish(native, name="policy", config=config, version=30)
+    assert res.version == 30
+    routed, body = routed_greedy(fleet.router, "policy")
+    assert body["lorafleet"]["version"] == 30
+    assert routed == merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8)
+
+
+def test_stale_version_refused(make_fleet, adapters):
+    fleet = make_fleet(1)
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        pub.publish(str(adapters["a"]), name="policy", version=5)
+        for stale in (5, 3):
+            with pytest.raises(VersionConflict, match="not newer"):
+                pub.publish(str(adapters["b"]), name="policy", version=stale)
+    assert _alias(fleet, "policy")["version"] == 5
+    assert {a["version"] for a in fleet.adapters(0)} == {5}
+
+
+def test_concurrent_publishers_are_serialized(make_fleet, adapters):
+    fleet = make_fleet(1)
+    headers = {"Authorization": f"Bearer {fleet.token}"}
+    # another publisher holds the name: this one gets a clear error and changes nothing
+    r = httpx.post(
+        f"{fleet.router.url}/v1/control/leases/policy",
+        headers=headers,
+        json={"holder": "trainer-B", "ttl_s": 60},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        with pytest.raises(PublishInProgress, match="trainer-B"):
+            pub.publish(str(adapters["a"]), name="policy")
+        assert fleet.adapters(0) == [] and _alias(fleet, "policy") is None
+        httpx.delete(f"{fleet.router.url}/v1/control/leases/policy/trainer-B", headers=headers)
+
+    # two publishers racing: versions never collide and nothing is silently overwritten
+    results, errors = [], []
+
+    def run(src):
+        try:
+            with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as p:
+                for _ in range(3):
+                    results.append(p.publish(str(src), name="policy").version)
+        except PublishInProgress as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(adapters[k],)) for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == len(set(results))
+    assert _alias(fleet, "policy")["version"] == max(results)
+    assert len(results) + len(errors) >= 4
+
+
+def test_invalid_bundle_refused_before_any_byte(make_fleet, adapters, tmp_path):
+    fleet = make_fleet(1)
+    bad = tmp_path / "dora"
+    bad.mkdir()
+    for f in ("adapter_model.safetensors",):
+        (bad / f).write_bytes((adapters["a"] / f).read_bytes())
+    cfg = json.loads((adapters["a"] / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    with (
+        Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub,
+        pytest.raises(AdapterInvalid, match="DoRA"),
+    ):
+        pub.publish(str(bad), name="policy")
+    assert fleet.adapters(0) == []
+
+
+def test_unreachable_agent_fails_before_anything(make_fleet, adapters):
+    fleet = make_fleet(2)
+    fleet.agents[1].proc.stop()
+    with (
+        Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub,
+        pytest.raises(PublishError, match="unreachable"),
+    ):
+        pub.publish(str(adapters["a"]), name="policy")
+    assert fleet.adapters(0) == []
