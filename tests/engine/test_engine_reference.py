@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -149,7 +150,10 @@ def test_health_answers_while_generating(ref):
     assert [r.status_code for r in results] == [200] * 4
     assert all(r.json()["usage"]["completion_tokens"] == 500 for r in results)
     assert len(times) >= 3, "generation finished before /health was probed"
-    assert max(times) < 0.5, f"/health took {max(times):.3f}s while generating"
+    # Were model work on the event loop, a probe would wait for a whole 500-token request. The
+    # bound on the worst probe is loose because the tests share 2 cores with other work.
+    assert statistics.median(times) < 0.1, f"/health median {statistics.median(times):.3f}s"
+    assert max(times) < 2.0, f"/health took {max(times):.3f}s while generating"
 
 
 def test_stream_disconnect_stops_generation(ref):

@@ -324,6 +324,7 @@ class Runtime:
         fut = loop.run_in_executor(
             self._worker, self.generate_sync, prompt_ids, internal, params, emit, cancelled
         )
+        getter: asyncio.Future | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -337,7 +338,9 @@ class Runtime:
                 yield fut.result()
                 return
         finally:
-            cancelled.set()
+            cancelled.set()  # the worker stops at its next token
+            if getter is not None and not getter.done():
+                getter.cancel()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
