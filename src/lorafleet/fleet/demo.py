@@ -275,7 +275,8 @@ def _run(console: Any, *, steps: int, resume: bool, root: Path, t0: float) -> De
         fleet.write_fleet_file()
         console.print(
             f"fleet up in {time.monotonic() - t0:.1f}s: router {fleet.router_url}, "
-            f"agents {', '.join(fleet.agent_urls)}"
+            f"agents {', '.join(fleet.agent_urls)}  "
+            f"[dim](lorafleet status --data-dir {root})[/dim]"
         )
         console.print(f"prompt {PROMPT!r} → target {TARGET!r}")
         base_output, _ = router.complete(fleet.served_model_name)
