@@ -1,9 +1,178 @@
-"""CLI for the publisher (placeholder until the component lands)."""
+"""``lorafleet publish``: publish an adapter directory or checkpoint, with per-replica progress."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import click
 
+DEFAULT_FLEET_DIR = ".lorafleet"
+
+
+def _targets(
+    fleet_dir: str | None, agents: str | None, router: str | None, token: str | None
+) -> tuple[list[str], str | None, str | None]:
+    if agents:
+        return [a.strip() for a in agents.split(",") if a.strip()], router, token
+    from lorafleet.fleet.state import FleetNotFound, read_fleet_file
+
+    try:
+        info = read_fleet_file(fleet_dir or DEFAULT_FLEET_DIR)
+    except FleetNotFound as exc:
+        raise click.UsageError(
+            f"no --agents given and no fleet found in {fleet_dir or DEFAULT_FLEET_DIR} "
+            "(start one with `lorafleet up`)"
+        ) from exc
+    return info.agent_urls, router or info.router_url, token or info.control_token
+
+
+def _source(path: str, config_path: str | None):
+    """A directory as it is; a state-dict file (native checkpoint) loaded as tensors."""
+    config = json.loads(Path(config_path).read_text()) if config_path else None
+    p = Path(path)
+    if p.is_dir():
+        return str(p), config
+    if config is None:
+        raise click.UsageError("a checkpoint file needs --config (its PEFT adapter config)")
+    if p.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        return load_file(str(p)), config
+    try:
+        import torch
+    except ImportError as exc:
+        raise click.ClickException(f"reading {p.name} needs torch (the engine extra)") from exc
+    return torch.load(str(p), map_location="cpu", weights_only=True), config
+
 
 @click.command("publish")
-def command() -> None:
-    """Not implemented yet."""
-    raise click.ClickException("the publisher is not implemented yet")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--name", required=True, help="Adapter name clients ask for (model=<name>).")
+@click.option(
+    "--version",
+    "version",
+    type=int,
+    default=None,
+    help="Version to publish (default: the active one + 1).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["atomic", "in_place"]),
+    default=None,
+    help="atomic (default with a router) or in_place (plain name, upsert).",
+)
+@click.option(
+    "--transfer",
+    type=click.Choice(["remote_upload", "shared_filesystem"]),
+    default="remote_upload",
+    show_default=True,
+)
+@click.option(
+    "--shared-dir",
+    type=click.Path(file_okay=False),
+    help="For shared_filesystem: a directory every node sees.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, exists=True),
+    help="PEFT adapter config JSON for a native-only checkpoint.",
+)
+@click.option(
+    "--fleet",
+    "fleet_dir",
+    default=None,
+    help=f"Data dir of a `lorafleet up` fleet (default {DEFAULT_FLEET_DIR}).",
+)
+@click.option("--agents", default=None, help="Comma-separated agent URLs (instead of --fleet).")
+@click.option("--router", default=None, help="Router URL (enables atomic mode).")
+@click.option(
+    "--token",
+    default=lambda: os.environ.get("LORAFLEET_CONTROL_TOKEN"),
+    help="Control token (env LORAFLEET_CONTROL_TOKEN).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def command(
+    path: str,
+    name: str,
+    version: int | None,
+    mode: str | None,
+    transfer: str,
+    shared_dir: str | None,
+    config_path: str | None,
+    fleet_dir: str | None,
+    agents: str | None,
+    router: str | None,
+    token: str | None,
+    as_json: bool,
+) -> None:
+    """Publish the adapter at PATH (a PEFT directory or a state-dict file) to every replica."""
+    from dataclasses import asdict
+
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
+    from lorafleet.errors import LorafleetError, PublishError
+    from lorafleet.publisher import Publisher
+
+    agent_urls, router_url, token = _targets(fleet_dir, agents, router, token)
+    source, config = _source(path, config_path)
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+        transient=as_json,
+    )
+    tasks: dict[str, int] = {}
+
+    def on_progress(replica: str, sent: int, total: int) -> None:
+        if replica not in tasks:
+            tasks[replica] = progress.add_task(replica, total=total or 1)
+        progress.update(tasks[replica], completed=sent, total=total or 1)
+
+    try:
+        with (
+            progress,
+            Publisher(
+                agent_urls,
+                router=router_url,
+                token=token,
+                shared_dir=shared_dir,
+                on_progress=on_progress,
+            ) as pub,
+        ):
+            result = pub.publish(
+                source, name=name, version=version, mode=mode, transfer=transfer, config=config
+            )
+    except PublishError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except LorafleetError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+    if as_json:
+        click.echo(json.dumps(asdict(result), default=str, indent=2))
+        return
+    click.echo(
+        f"published {result.name} v{result.version} ({result.mode}, {result.transfer}) "
+        f"as {result.engine_name} in {result.duration_s * 1e3:.0f} ms; "
+        f"{result.bytes_sent} bytes sent"
+    )
+    for rid, t in result.replicas.items():
+        click.echo(
+            f"  {rid}: upload {t.upload_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms, "
+            f"load {t.load_s * 1e3:.0f} ms, {t.files_deduplicated} file(s) deduplicated"
+        )
+    if result.retired_versions:
+        click.echo(f"  retired: {', '.join(f'v{v}' for v in result.retired_versions)}")
+    for w in result.warnings:
+        click.echo(f"  warning: {w}")
