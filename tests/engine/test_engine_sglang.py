@@ -118,3 +118,9 @@ def test_generate_stream_is_cumulative(ref, adapters, tiny_model):
     assert chunks[-1]["text"] == expected(str(tiny_model), str(adapters["c"]))
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_get_model_info(ref, tiny_model):
+    info = ref.get("/get_model_info").json()
+    assert info["is_generation"] is True
+    assert info["model_path"] == str(tiny_model.resolve())
