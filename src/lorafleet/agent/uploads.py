@@ -18,7 +18,9 @@ import hashlib
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from lorafleet._service import ServiceError
@@ -30,7 +32,8 @@ from lorafleet.protocol.errors import ErrorCode
 
 __all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
 
-_BATCH = 8 << 20  # bytes handed to the writer threads at once
+_BATCH = 4 << 20  # bytes handed to the writer threads at once
+_INFLIGHT = 3  # batches queued for the threads while the loop receives the next one
 _IOV_MAX = 512
 _RESERVE = 1 << 30  # free disk kept back when no quota is configured
 
@@ -322,15 +325,25 @@ class UploadManager:
         received = f.offset
         parts: list[bytes] = []
         nbuf = 0
-        pending: asyncio.Future | None = None
+        # One thread writes and one hashes, each in order (single-worker executors), while the
+        # event loop keeps receiving: up to _INFLIGHT batches are queued, which bounds memory.
+        wx = ThreadPoolExecutor(1, thread_name_prefix="upload-write")
+        hx = ThreadPoolExecutor(1, thread_name_prefix="upload-hash")
+        inflight: deque[asyncio.Future] = deque()
 
-        def flush() -> asyncio.Future:
+        def flush() -> None:
             batch = parts.copy()
             parts.clear()
-            return asyncio.gather(
-                loop.run_in_executor(None, _write_and_hash, fd, batch),
-                loop.run_in_executor(None, _hash_parts, batch, *hashers),
+            inflight.append(
+                asyncio.gather(
+                    loop.run_in_executor(wx, _write_and_hash, fd, batch),
+                    loop.run_in_executor(hx, _hash_parts, batch, *hashers),
+                )
             )
+
+        async def drain(limit: int) -> None:
+            while len(inflight) > limit:
+                await inflight.popleft()
 
         closed = False
         try:
@@ -340,8 +353,7 @@ class UploadManager:
                 received += len(chunk)
                 if received > entry.size:
                     self.metrics.verification_failures.labels("size").inc()
-                    if pending is not None:
-                        await pending
+                    await drain(0)
                     os.close(fd)
                     closed = True
                     self._reset(s, f)
@@ -353,20 +365,17 @@ class UploadManager:
                 parts.append(chunk)
                 nbuf += len(chunk)
                 if nbuf >= _BATCH:
-                    if pending is not None:
-                        await pending
                     self.metrics.bytes_received.inc(nbuf)
-                    pending = flush()
+                    flush()
                     nbuf = 0
                     s.touch()
+                    await drain(_INFLIGHT)
                 if s.closed:
                     raise ServiceError(ErrorCode.UPLOAD_NOT_FOUND, f"upload {s.id} was discarded")
-            if pending is not None:
-                await pending
-                pending = None
             if parts:
                 self.metrics.bytes_received.inc(nbuf)
-                await flush()
+                flush()
+            await drain(0)
             await asyncio.to_thread(_fsync_close, fd)
             closed = True
         except ServiceError:
@@ -376,20 +385,23 @@ class UploadManager:
             # durable so the client resumes from HEAD's Upload-Offset.
             if not closed:
                 with contextlib.suppress(BaseException):
-                    if pending is not None:
-                        await asyncio.shield(pending)
                     if parts:
-                        await asyncio.shield(flush())
+                        flush()
+                    await asyncio.shield(drain(0))
                     await asyncio.shield(asyncio.to_thread(_fsync_close, fd))
                     closed = True
                     f.offset = received
             if not closed:
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
                 f.hasher = None
                 f.offset = os.path.getsize(partial) if partial.exists() else 0
             if s.closed:
                 self.store.remove_upload(s.id)
             raise
+        finally:
+            wx.shutdown(wait=False)
+            hx.shutdown(wait=False)
         f.offset = received
         if received != entry.size:
             self.metrics.verification_failures.labels("size").inc()
