@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -181,8 +182,11 @@ async def generate_load(
     prompt: str = "hello",
     max_inflight: int = 64,
     timeout_s: float = 60.0,
+    stop: threading.Event | None = None,
 ) -> list[Observation]:
     """Send ``rate * duration_s`` completions for ``name`` at a steady pace; one Observation each.
+
+    ``stop``: end early (no new requests; those in flight complete) once this event is set.
 
     Requests start on schedule (not after the previous one finishes) but never more than
     ``max_inflight`` at once, so a slow router shows up as late starts rather than a pile-up.
@@ -207,6 +211,8 @@ async def generate_load(
         t0 = time.monotonic()
         tasks = []
         for i in range(n):
+            if stop is not None and stop.is_set():
+                break
             delay = t0 + i / rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
