@@ -38,7 +38,10 @@ def _threads() -> int:
 @click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-model-len", default=None, type=click.IntRange(min=1))
 @click.option(
-    "--api-key", default=None, envvar="LORAFLEET_ENGINE_API_KEY", help="Bearer for /v1/*."
+    "--api-key",
+    default=None,
+    envvar="LORAFLEET_ENGINE_API_KEY",
+    help="Bearer token required on /v1/* and SGLang routes.",
 )
 @click.option("--log-level", default="warning", show_default=True)
 def command(
@@ -55,10 +58,12 @@ def command(
     """Run the reference engine: a CPU inference server with runtime LoRA (torch + PEFT)."""
     import torch
     import uvicorn
+    from transformers.utils import logging as hf_logging
 
     from lorafleet.engine._runtime import Runtime
     from lorafleet.engine.app import create_app
 
+    hf_logging.disable_progress_bar()  # a progress bar per start only clutters the server log
     torch.set_num_threads(_threads())
     runtime = Runtime(
         model_dir,
