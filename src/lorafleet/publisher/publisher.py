@@ -255,19 +255,26 @@ class AsyncPublisher:
                     else PublishError
                 )
                 raise cls(self._failure_message(plan), plan.failures) from exc
-        activated = await asyncio.gather(
-            *(r.client.activate(name, version) for r in self._replicas), return_exceptions=True
-        )
-        for rep, out in zip(self._replicas, activated, strict=True):
-            if isinstance(out, BaseException):
-                warnings.append(f"{rep.id}: activate failed: {_reason(out)}")
-            else:
-                rep.timing.state = ReplicaState.ACTIVE
         cutover_s = time.perf_counter() - t
+        serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
 
-        # Phase 3: drain the versions the alias no longer points at, then release them.
+        # Phase 3: record v as active on the agents while the router drains v-1; then release
+        # every older version.
         t = time.perf_counter()
-        retired = await self._retire_older(plan, warnings)
+
+        async def activate_all() -> None:
+            outs = await asyncio.gather(
+                *(r.client.activate(name, version) for r in self._replicas),
+                return_exceptions=True,
+            )
+            for rep, out in zip(self._replicas, outs, strict=True):
+                if isinstance(out, BaseException):
+                    warnings.append(f"{rep.id}: activate failed: {_reason(out)}")
+                else:
+                    rep.timing.state = ReplicaState.ACTIVE
+
+        _, drained = await asyncio.gather(activate_all(), self._drain_previous(plan, warnings))
+        retired = await self._release_older(plan, warnings) if drained else []
         retire_s = time.perf_counter() - t
         timings = {r.id: r.timing for r in self._replicas}
         return PublishResult(
@@ -280,6 +287,7 @@ class AsyncPublisher:
             duration_s=time.perf_counter() - t_start,
             build_s=build_s,
             cutover_s=cutover_s,
+            serving_s=serving_s,
             retire_s=retire_s,
             bytes_sent=sum(t.bytes_sent for t in timings.values()),
             active_version=version,
@@ -374,21 +382,25 @@ class AsyncPublisher:
             with contextlib.suppress(LorafleetError):
                 await self.router.delete_alias(name)
 
-    async def _retire_older(self, plan: _Plan, warnings: list[str]) -> list[int]:
-        """Release every older version of the name once nothing routes to it any more."""
+    async def _drain_previous(self, plan: _Plan, warnings: list[str]) -> bool:
+        """Wait until the router has no request in flight on v-1; False if it still has some."""
+        if plan.mode != "atomic" or plan.previous is None:
+            return True
+        try:
+            drained = await self.router.drain(plan.bundle.name, plan.previous, self.timeouts.drain)
+        except LorafleetError as exc:
+            warnings.append(f"drain of v{plan.previous} failed: {_reason(exc)}")
+            return False
+        if not drained.drained:
+            warnings.append(
+                f"v{plan.previous} still had {drained.inflight} request(s) in flight after "
+                f"{self.timeouts.drain}s; it stays loaded until the next publish"
+            )
+        return drained.drained
+
+    async def _release_older(self, plan: _Plan, warnings: list[str]) -> list[int]:
+        """Release every older version of the name: nothing routes to it any more."""
         name, version = plan.bundle.name, plan.bundle.version
-        if plan.mode == "atomic" and plan.previous is not None:
-            try:
-                drained = await self.router.drain(name, plan.previous, self.timeouts.drain)
-                if not drained.drained:
-                    warnings.append(
-                        f"v{plan.previous} still had {drained.inflight} request(s) in flight "
-                        f"after {self.timeouts.drain}s; it stays loaded until the next publish"
-                    )
-                    return []
-            except LorafleetError as exc:
-                warnings.append(f"drain of v{plan.previous} failed: {_reason(exc)}")
-                return []
         retired: set[int] = set()
 
         async def one(rep: _Replica) -> None:

@@ -50,7 +50,11 @@ class PublishResult:
     build_s: float
     """Serializing and hashing the bundle (once, at the sender)."""
     cutover_s: float
+    """The router's alias flip (atomic) or nothing (in place without a router)."""
+    serving_s: float
+    """From the call to the moment every new request resolves to this version."""
     retire_s: float
+    """Recording v as active, draining v-1 and releasing older versions (after serving)."""
     bytes_sent: int
     active_version: int
     replicas: dict[str, ReplicaTiming] = field(default_factory=dict)

