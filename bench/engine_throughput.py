@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
+from lorafleet._procs import ManagedProcess
+from lorafleet.testing import Procs, start_reference_engine, start_vllm
 from lorafleet.tinymodel import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,51 +39,16 @@ class RoundResult:
     tokens: int
 
 
-def vllm_python() -> Path:
-    venv = os.environ.get("LORAFLEET_VLLM_VENV")
-    if not venv:
-        out = subprocess.run(
-            [str(REPO / "scripts" / "setup-vllm.sh")], check=True, capture_output=True, text=True
-        )
-        venv = out.stdout.strip().splitlines()[-1]
-    return Path(venv) / "bin" / "python"
-
-
 def start(kind: str, model: Path, logdir: Path) -> tuple[ManagedProcess, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    common = ["--model", str(model), "--served-model-name", "tiny", "--port", str(port)]
-    if kind == "ref":
-        argv = lorafleet_argv("engine", *common, "--host", "127.0.0.1")
-        env: dict[str, str] = {}
-        timeout = 60.0
-    else:
-        argv = [
-            str(vllm_python()),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            *common,
-            "--host",
-            "127.0.0.1",
-            "--enable-lora",
-            "--max-lora-rank",
-            "16",
-            "--max-loras",
-            "4",
-            "--max-model-len",
-            "256",
-            "--dtype",
-            "float32",
-        ]
-        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        timeout = 300.0
-    proc = ManagedProcess(
-        argv, ready_url=url + "/health", env=env, name=kind, log_path=logdir / f"{kind}.log"
-    )
+    """One server: the reference engine, or real vllm-cpu (same model, same max rank)."""
+    procs = Procs(logdir)
     t0 = time.monotonic()
-    proc.wait_ready(timeout)
+    if kind == "ref":
+        server = start_reference_engine(procs, model, max_lora_rank=16)
+    else:
+        server = start_vllm(procs, model, max_lora_rank=16)
     print(f"[{kind}] ready in {time.monotonic() - t0:.1f}s", flush=True)
-    return proc, url
+    return server.proc, server.url
 
 
 async def one_round(url: str, clients: int, per_client: int, max_tokens: int) -> RoundResult:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from lorafleet.testing import (
     start_agent,
     start_reference_engine,
     start_router,
+    start_vllm,
 )
 from lorafleet.tinymodel import ensure_tiny_model
 
@@ -47,45 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def start_vllm(procs: Procs, model: Path, max_rank: int) -> Server:
-    from lorafleet._procs import free_port
-
-    venv = (
-        subprocess.run(
-            [str(REPO / "scripts" / "setup-vllm.sh")], check=True, capture_output=True, text=True
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    port = free_port()
-    argv = [
-        f"{venv}/bin/python",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--enable-lora",
-        "--max-lora-rank",
-        str(max_rank),
-        "--max-loras",
-        "4",
-        "--max-model-len",
-        "256",
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    url = f"http://127.0.0.1:{port}"
-    proc = procs.start(argv, ready_url=url + "/health", name="vllm", timeout=300, env=env)
-    return Server(url=url, proc=proc, port=port)
 
 
 def raw_load_s(engine: Server, adapter: Path, tag: str) -> float:
@@ -135,7 +96,7 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
                 start_reference_engine(procs, model, max_lora_rank=large_rank) for _ in range(4)
             ]
         else:
-            engines = [start_vllm(procs, model, large_rank) for _ in range(2)]
+            engines = [start_vllm(procs, model, max_lora_rank=large_rank) for _ in range(2)]
         token = secrets.token_urlsafe(12)
         agents = [
             start_agent(

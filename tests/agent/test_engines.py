@@ -6,10 +6,11 @@ import time
 
 import httpx
 import pytest
-from test_publish_flow import call, publish
 
-from conftest import completion, start_agent, start_reference_engine
 from lorafleet.bundle import AdapterBundle
+from lorafleet.testing import start_agent, start_reference_engine
+from tests.agent.helpers import completion
+from tests.agent.test_publish_flow import call, publish
 
 
 def _engine_adapters(url: str) -> set[str]:

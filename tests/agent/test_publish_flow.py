@@ -8,10 +8,10 @@ import socket
 import httpx
 import pytest
 
-from conftest import auth, completion, snapshot
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import RemoteError
+from tests.agent.helpers import auth, completion, snapshot
 
 
 def publish(server, bundle: AdapterBundle, mode: str = "versioned", load: bool = True):

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from conftest import auth, snapshot
 from lorafleet.bundle.manifest import FileEntry, Manifest
+from tests.agent.helpers import auth, snapshot
 
 CFG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
 

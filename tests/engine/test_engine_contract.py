@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import PROMPT, expected, expected_ids
+
+from tests.engine.engine_helpers import PROMPT, expected, expected_ids
 
 
 def complete(engine, model: str | None = None, prompt=PROMPT, **kw) -> dict:

@@ -8,7 +8,8 @@ import time
 
 import httpx
 import pytest
-from engine_helpers import PROMPT, expected, start_engine
+
+from tests.engine.engine_helpers import PROMPT, expected, start_engine
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import json
 
 import httpx
 import pytest
-from engine_helpers import PROMPT, expected
+
+from tests.engine.engine_helpers import PROMPT, expected
 
 
 @pytest.fixture

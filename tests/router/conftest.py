@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rfleet import Procs, Server, start_agent, start_reference_engine
+
+from tests.router.rfleet import Procs, Server, start_agent, start_reference_engine
 
 
 @dataclass

@@ -7,10 +7,10 @@ import asyncio
 
 import httpx
 import pytest
-from rfleet import install_sync, set_alias, start_router, wait_healthy
 
 from lorafleet.protocol.router import AliasTable
 from lorafleet.router.consistency import check, generate_load
+from tests.router.rfleet import install_sync, set_alias, start_router, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,16 +13,16 @@ import time
 
 import httpx
 import pytest
-from rfleet import (
+
+from lorafleet.errors import RemoteError
+from lorafleet.router.client import AsyncRouterClient
+from tests.router.rfleet import (
     CONTROL,
     install_sync,
     set_alias,
     start_router,
     wait_healthy,
 )
-
-from lorafleet.errors import RemoteError
-from lorafleet.router.client import AsyncRouterClient
 
 pytestmark = pytest.mark.timeout(300)
 

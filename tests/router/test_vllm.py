@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from rfleet import install_sync, set_alias, start_agent, start_router, wait_healthy
+
+from tests.router.rfleet import install_sync, set_alias, start_agent, start_router, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

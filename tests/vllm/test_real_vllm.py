@@ -6,27 +6,17 @@ import httpx
 import pytest
 
 from lorafleet.bundle import AdapterBundle
-from lorafleet.testing import make_peft_model, merged_greedy_ids
+from lorafleet.testing import greedy_completion, make_peft_model, merged_greedy_ids
 
 pytestmark = pytest.mark.vllm
 
 PROMPT = "The quick brown fox"
 
 
-def _greedy(url: str, model: str, n: int = 8) -> list[int]:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        timeout=60,
-        json={
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": n,
-            "temperature": 0,
-            "return_token_ids": True,
-        },
-    )
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"]
+def _greedy(url: str, model: str) -> list[int]:
+    status, ids, body = greedy_completion(url, model, PROMPT, 8)
+    assert status == 200, body
+    return ids
 
 
 def test_bundle_from_peft_model_serves_on_real_vllm(vllm_server, tiny_model, tmp_path):

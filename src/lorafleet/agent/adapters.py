@@ -29,7 +29,7 @@ from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.state import StateDB, StoredAdapter
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadManager
-from lorafleet.agent.validation import config_rank, validate
+from lorafleet.bundle import config_rank, validate_adapter_dir
 from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest, PathError, check_file_path
 from lorafleet.errors import DigestMismatch, SizeMismatch
 from lorafleet.protocol.agent import (
@@ -200,7 +200,9 @@ class AdapterService:
         if ADAPTER_CONFIG not in files:
             extra[ADAPTER_CONFIG] = json.dumps(m.config, indent=2, sort_keys=True).encode()
         path = await asyncio.to_thread(self.store.assemble, m.name, m.version, files, extra)
-        report = await asyncio.to_thread(validate, path, m.config, self.caps.max_lora_rank)
+        report = await asyncio.to_thread(
+            validate_adapter_dir, path, config=m.config, max_rank=self.caps.max_lora_rank
+        )
         if not report.ok:
             await asyncio.to_thread(shutil.rmtree, path, True)
             with contextlib.suppress(OSError):

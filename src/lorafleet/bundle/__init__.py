@@ -9,7 +9,12 @@ from lorafleet.bundle.manifest import (
     PathError,
     check_file_path,
 )
-from lorafleet.bundle.validate import ValidationReport, check_adapter, validate_adapter_dir
+from lorafleet.bundle.validate import (
+    ValidationReport,
+    check_adapter,
+    config_rank,
+    validate_adapter_dir,
+)
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -21,6 +26,7 @@ __all__ = [
     "ValidationReport",
     "check_adapter",
     "check_file_path",
+    "config_rank",
     "normalize_lora_keys",
     "peft_config_dict",
     "validate_adapter_dir",

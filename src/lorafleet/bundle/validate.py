@@ -21,6 +21,7 @@ from lorafleet.errors import AdapterInvalid
 __all__ = [
     "ValidationReport",
     "check_adapter",
+    "config_rank",
     "read_safetensors_shapes",
     "validate_adapter_dir",
 ]
@@ -71,6 +72,13 @@ def _read_bin_shapes(path: Path) -> dict[str, list[int]] | None:
         return None
     state = torch.load(str(path), map_location="cpu", weights_only=True)
     return {k: list(v.shape) for k, v in state.items()}
+
+
+def config_rank(config: Mapping[str, Any]) -> int | None:
+    """The largest LoRA rank a PEFT config declares (``r`` and every ``rank_pattern`` value)."""
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    valid = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+    return max(valid) if valid else None
 
 
 def _module_matches(module: str, targets: Any) -> bool:

@@ -2,7 +2,8 @@
 
 vLLM validates in two places: ``PEFTHelper`` (adapter_config.json) and
 ``LoRAModel.from_local_checkpoint`` (tensor names). The messages below are vLLM's, so a client that
-handles vLLM's refusals handles ours. No torch here: tensor names come from the safetensors header.
+handles vLLM's refusals handles ours. Tensor names come from the safetensors header, read by the
+safetensors library.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from lorafleet.bundle.validate import read_safetensors_shapes
 from lorafleet.engine._errors import EngineError
 
 __all__ = ["WEIGHT_FILES", "check_adapter_dir", "not_found"]
@@ -66,11 +68,11 @@ def _feature_problems(cfg: dict[str, Any]) -> list[str]:
 def _tensor_names(path: Path) -> list[str]:
     st = path / "adapter_model.safetensors"
     if st.is_file():
-        # The header is an 8-byte little-endian length then JSON; reading it needs no torch.
-        with open(st, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        return [k for k in header if k != "__metadata__"]
+        try:
+            shapes, _ = read_safetensors_shapes(st)
+        except Exception as exc:  # a corrupt header: vLLM fails the load with a 500
+            raise EngineError.internal(f"{st} is not a readable safetensors file: {exc}") from exc
+        return list(shapes)
     for other in WEIGHT_FILES[1:]:
         if (path / other).is_file():
             import torch  # .bin/.pt only; the engine already has torch loaded
