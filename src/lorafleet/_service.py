@@ -14,11 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorCode, error_body
 
 __all__ = [
     "DEFAULT_JSON_LIMIT",
+    "JsonBodyLimit",
     "ServiceError",
     "error_response",
     "install_error_handlers",
@@ -124,3 +126,57 @@ async def read_json(request: Request, limit: int = DEFAULT_JSON_LIMIT) -> Any:
         return json.loads(buf)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {exc}") from exc
+
+
+class JsonBodyLimit:
+    """Refuse request bodies over ``limit`` before anything parses them (413 ``body_too_large``).
+
+    ``stream_prefix``: PUTs under this path stream raw bytes (uploads) and are capped elsewhere.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, stream_prefix: str | None = None) -> None:
+        self.app = app
+        self.limit = limit
+        self.stream_prefix = stream_prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamed = (
+            self.stream_prefix is not None
+            and scope.get("method") == "PUT"
+            and scope.get("path", "").startswith(self.stream_prefix)
+        )
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD") or streamed:
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        body = bytearray()
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(
+            ErrorCode.BODY_TOO_LARGE, f"request body over the {self.limit} byte limit"
+        )
+        resp.headers["Connection"] = "close"
+        await resp(scope, receive, send)

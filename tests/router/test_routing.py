@@ -333,3 +333,56 @@ def test_retry_once_when_an_engine_dies(procs, fleet, peft_dir):
     reps = {x["replica_id"]: x for x in httpx.get(r.url + "/v1/control/replicas",
                                                   headers=r.ctl()).json()["replicas"]}  # fmt: skip
     assert reps[a.replica_id]["healthy"] is False
+
+
+def test_bad_input_on_every_route_is_a_precise_4xx(router):
+    """Malformed, oversized and incomplete bodies are refused and change nothing."""
+    url, ctl = router.url, router.ctl()
+    before = httpx.get(url + "/v1/control/aliases", headers=ctl).json()
+    cases = [
+        ("post", "/v1/completions", {"content": b"{not json"}, {}, 400, "invalid_request"),
+        ("post", "/v1/completions", {"content": b"[1, 2]"}, {}, 400, "invalid_request"),
+        ("post", "/v1/chat/completions", {"content": b"x" * (33 << 20)}, {}, 413, "body_too_large"),
+        ("put", "/v1/control/aliases/p", {"content": b"{not json"}, ctl, 400, "invalid_request"),
+        ("put", "/v1/control/aliases/p", {"json": {"version": 1}}, ctl, 400, "invalid_request"),
+        (
+            "put",
+            "/v1/control/aliases/p",
+            {"json": {"version": 0, "engine_name": "p@v0", "replicas": ["x"]}},
+            ctl,
+            400,
+            "invalid_request",
+        ),
+        (
+            "put",
+            "/v1/control/aliases/p",
+            {"content": b"{" + b" " * (2 << 20) + b"}"},
+            ctl,
+            413,
+            "body_too_large",
+        ),
+        (
+            "post",
+            "/v1/control/aliases/p/drain",
+            {"json": {"version": "x"}},
+            ctl,
+            400,
+            "invalid_request",
+        ),
+        ("post", "/v1/control/leases/p", {"json": {}}, ctl, 400, "invalid_request"),
+        (
+            "put",
+            "/v1/control/aliases/p",
+            {"json": {"version": 1, "engine_name": "p@v1", "replicas": ["x"]}},
+            {},
+            401,
+            "unauthorized",
+        ),
+    ]
+    for method, path, kw, headers, status, code in cases:
+        r = getattr(httpx, method)(
+            url + path, headers={"Content-Type": "application/json", **headers}, timeout=30, **kw
+        )
+        assert r.status_code == status, (path, r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == code, (path, r.text[:200])
+    assert httpx.get(url + "/v1/control/aliases", headers=ctl).json() == before

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
-    error_response,
+    JsonBodyLimit,
     install_error_handlers,
     require_token,
 )
@@ -49,7 +48,6 @@ from lorafleet.protocol.agent import (
     UploadSession,
     UploadStatus,
 )
-from lorafleet.protocol.errors import ErrorCode
 
 __all__ = ["AgentConfig", "create_app"]
 
@@ -71,51 +69,6 @@ class AgentConfig:
     sglang_upsert: bool = False
     reconcile_interval: float = 0.5
     json_limit: int = DEFAULT_JSON_LIMIT
-
-
-class JsonBodyLimit:
-    """Refuse request bodies over ``limit`` (except upload PUTs) before anything parses them."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("PUT", "GET", "HEAD"):
-            await self.app(scope, receive, send)
-            return
-        for k, v in scope.get("headers", []):
-            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-        body = bytearray()
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = error_response(
-            ErrorCode.BODY_TOO_LARGE, f"request body over the {self.limit} byte limit"
-        )
-        resp.headers["Connection"] = "close"
-        await resp(scope, receive, send)
 
 
 class Runtime:
@@ -224,7 +177,8 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     app = FastAPI(title="lorafleet agent", version="1", lifespan=lifespan)
     app.state.runtime = rt
     install_error_handlers(app)
-    app.add_middleware(JsonBodyLimit, limit=cfg.json_limit)
+    # Upload PUTs stream raw bytes, capped by the declared file size instead.
+    app.add_middleware(JsonBodyLimit, limit=cfg.json_limit, stream_prefix="/v1/uploads/")
 
     def auth(request: Request) -> None:
         require_token(request, cfg.token)

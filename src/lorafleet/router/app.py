@@ -14,7 +14,13 @@ import aiohttp
 from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lorafleet._service import ServiceError, install_error_handlers, require_token
+from lorafleet._service import (
+    DEFAULT_JSON_LIMIT,
+    JsonBodyLimit,
+    ServiceError,
+    install_error_handlers,
+    require_token,
+)
 from lorafleet.protocol.errors import ErrorCode
 from lorafleet.protocol.router import (
     AliasEntry,
@@ -127,6 +133,7 @@ def _build_api(router: RouterApp) -> FastAPI:
     cfg = router.config
     app = FastAPI(title="lorafleet router", lifespan=router.lifespan)
     install_error_handlers(app)
+    app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
     store, balancer = router.store, router.balancer
 
     def control(request: Request) -> None:
