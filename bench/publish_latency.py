@@ -30,6 +30,7 @@ import httpx
 
 from lorafleet.publisher import Publisher
 from lorafleet.testing import (
+    ALL_LINEAR,
     Procs,
     Server,
     greedy_completion,
@@ -41,7 +42,6 @@ from lorafleet.testing import (
 )
 from lorafleet.tinymodel import ensure_tiny_model
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
 
 __all__ = [
+    "ALL_LINEAR",
     "DEFAULT_TARGETS",
     "Procs",
     "Server",
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = (*DEFAULT_TARGETS, "gate_proj", "up_proj", "down_proj")
+"""Every linear projection of a Llama block: the largest adapter a model of this shape takes."""
 
 
 def make_peft_model(

@@ -12,6 +12,7 @@ from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import AdapterInvalid, PublishError, PublishInProgress, VersionConflict
 from lorafleet.publisher import Publisher
 from lorafleet.testing import (
+    ALL_LINEAR,
     greedy_completion,
     make_peft_adapter,
     make_peft_model,
@@ -137,15 +138,7 @@ def test_atomic_rollback_when_a_replica_dies_mid_upload(make_fleet, tiny_model, 
         tiny_model,
         r=64,
         seed=22,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=ALL_LINEAR,
     )
     victim = fleet.agents[1]
     armed, killed = threading.Event(), threading.Event()
