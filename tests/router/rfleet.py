@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,18 +10,7 @@ from pathlib import Path
 import httpx
 
 from lorafleet._procs import free_port, lorafleet_argv
-
-# The root conftest's process helpers, loaded by path: pytest imports every conftest.py as the
-# module "conftest", so a plain import would find this directory's own.
-_spec = importlib.util.spec_from_file_location(
-    "_lorafleet_root_conftest", Path(__file__).resolve().parents[1] / "conftest.py"
-)
-_root = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_root)
-Procs = _root.Procs
-Server = _root.Server
-start_agent = _root.start_agent
-start_reference_engine = _root.start_reference_engine
+from lorafleet.testing import Procs, Server, start_agent, start_reference_engine  # noqa: F401
 
 CONTROL = "ctl-" + secrets.token_hex(8)
 

@@ -316,25 +316,6 @@ def test_restart_keeps_the_alias_table(procs, fleet, peft_dir, tmp_path):
     assert set_alias(r2, "keep", 2, en, [a.replica_id], expected_version=None).status_code == 409
 
 
-def test_retry_once_when_an_engine_dies(procs, fleet, peft_dir):
-    """Runs last: it kills replica a's engine. A slow health poll keeps the dead replica in the
-    table, so the first request sent there meets a refused connection and is retried on b."""
-    a, b = fleet
-    en = install_sync([a.agent, b.agent], peft_dir, "retry", 1)
-    r = start_router(procs, [m.agent.url for m in fleet], extra=["--health-interval", "30"])
-    wait_healthy(r, 2)
-    set_alias(r, "retry", 1, en, [a.replica_id, b.replica_id])
-    a.engine.proc.kill()
-    for _ in range(6):
-        resp = complete(r, "retry")
-        assert resp.status_code == 200, resp.text
-        assert resp.headers["X-Lorafleet-Replica"] == b.replica_id
-    assert "lorafleet_router_retries_total 1.0" in httpx.get(r.url + "/metrics").text
-    reps = {x["replica_id"]: x for x in httpx.get(r.url + "/v1/control/replicas",
-                                                  headers=r.ctl()).json()["replicas"]}  # fmt: skip
-    assert reps[a.replica_id]["healthy"] is False
-
-
 def test_bad_input_on_every_route_is_a_precise_4xx(router):
     """Malformed, oversized and incomplete bodies are refused and change nothing."""
     url, ctl = router.url, router.ctl()
@@ -386,3 +367,22 @@ def test_bad_input_on_every_route_is_a_precise_4xx(router):
         assert r.status_code == status, (path, r.status_code, r.text[:200])
         assert r.json()["error"]["code"] == code, (path, r.text[:200])
     assert httpx.get(url + "/v1/control/aliases", headers=ctl).json() == before
+
+
+def test_retry_once_when_an_engine_dies(procs, fleet, peft_dir):
+    """Runs last: it kills replica a's engine. A slow health poll keeps the dead replica in the
+    table, so the first request sent there meets a refused connection and is retried on b."""
+    a, b = fleet
+    en = install_sync([a.agent, b.agent], peft_dir, "retry", 1)
+    r = start_router(procs, [m.agent.url for m in fleet], extra=["--health-interval", "30"])
+    wait_healthy(r, 2)
+    set_alias(r, "retry", 1, en, [a.replica_id, b.replica_id])
+    a.engine.proc.kill()
+    for _ in range(6):
+        resp = complete(r, "retry")
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["X-Lorafleet-Replica"] == b.replica_id
+    assert "lorafleet_router_retries_total 1.0" in httpx.get(r.url + "/metrics").text
+    reps = {x["replica_id"]: x for x in httpx.get(r.url + "/v1/control/replicas",
+                                                  headers=r.ctl()).json()["replicas"]}  # fmt: skip
+    assert reps[a.replica_id]["healthy"] is False
