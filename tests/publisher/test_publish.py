@@ -71,7 +71,8 @@ def test_transfer_modes_deliver_and_serve(make_fleet, adapters, tiny_model, tmp_
     assert set(res.replicas) == {a.url.removeprefix("http://") for a in fleet.agents}
     if transfer == "shared_filesystem":
         assert res.bytes_sent == 0
-        assert (shared / "policy" / "v1" / "adapter_model.safetensors").is_file()
+        # the agents ingested their own copies; the hand-over directory is gone
+        assert not (shared / "policy" / "v1").exists()
     else:
         built = (
             AdapterBundle.from_peft_model(source, name="x")
@@ -289,3 +290,76 @@ def test_unreachable_agent_fails_before_anything(make_fleet, adapters):
     ):
         pub.publish(str(adapters["a"]), name="policy")
     assert fleet.adapters(0) == []
+
+
+def test_rollback_leaves_another_publishers_version_alone(make_fleet, adapters):
+    """v2 on the agent belongs to someone else (other bytes): our failed v2 must not remove it."""
+    import asyncio
+
+    from lorafleet.agent.client import AsyncAgentClient
+
+    fleet = make_fleet(1)
+    theirs = AdapterBundle.from_dir(adapters["b"], name="policy", version=2)
+
+    async def stage_theirs():
+        async with AsyncAgentClient(fleet.agents[0].url, fleet.token) as c:
+            s = await c.open_upload(theirs.manifest)
+            for entry in theirs.files:
+                await c.upload_file(s.upload_id, entry, theirs.source(entry.path))
+            await c.commit(s.upload_id)
+
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        pub.publish(str(adapters["a"]), name="policy")
+        asyncio.run(stage_theirs())
+        with pytest.raises(PublishError, match="adapter_conflict"):
+            pub.publish(str(adapters["a"]), name="policy", version=2)
+    held = {(a["version"], a["digest"]) for a in fleet.adapters(0)}
+    assert (2, theirs.digest) in held
+    assert _alias(fleet, "policy")["version"] == 1
+
+
+def test_in_place_failure_with_a_router_removes_the_alias(make_fleet, adapters):
+    fleet = make_fleet(2, ranks=[64, 16])
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        pub.publish(str(adapters["a"]), name="policy", mode="in_place")
+        assert routed_greedy(fleet.router, "policy")[1]["lorafleet"]["version"] == 1
+        with pytest.raises(PublishError):
+            pub.publish(str(adapters["big"]), name="policy", mode="in_place")
+    assert _alias(fleet, "policy") is None
+    status, _, body = greedy_completion(fleet.router.url, "policy")
+    assert status == 404 and body["error"]["code"] == "not_found"
+
+
+def test_cancelled_publication_rolls_back(make_fleet, tiny_model, tmp_path):
+    """Cancelling apublish mid-upload (a caller's timeout, a shutdown) leaves nothing behind."""
+    import asyncio
+
+    from lorafleet.publisher import AsyncPublisher
+
+    fleet = make_fleet(2)
+    small = make_peft_adapter(tiny_model, tmp_path / "small", r=8, seed=61)
+    large = make_peft_model(tiny_model, r=64, seed=62, target_modules=ALL_LINEAR)
+
+    async def run():
+        task: asyncio.Task | None = None
+
+        def on_progress(replica, sent, total):
+            if task is not None and 0 < sent < total:
+                task.cancel()
+
+        async with AsyncPublisher(
+            fleet.agent_urls, router=fleet.router.url, token=fleet.token, on_progress=on_progress
+        ) as pub:
+            await pub.apublish(str(small), name="policy")
+            task = asyncio.ensure_future(pub.apublish(large, name="policy"))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
+    assert _alias(fleet, "policy")["version"] == 1
+    for i in range(2):
+        assert {a["version"] for a in fleet.adapters(i)} == {1}
+    assert fleet.staging_bytes() == [0, 0]
+    # the lease was released: the next publication goes through
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        assert pub.publish(str(small), name="policy").version == 2

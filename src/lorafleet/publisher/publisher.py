@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import threading
 import time
@@ -173,7 +174,7 @@ class AsyncPublisher:
         bundle.validate(max_rank=max_rank).raise_for_problems(f"adapter {name!r}")
         await self._discover()
 
-        holder_lease = False
+        heartbeat: asyncio.Task | None = None
         if self.router is not None:
             try:
                 await self.router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
@@ -183,7 +184,8 @@ class AsyncPublisher:
                         f"cannot publish {name!r}: {exc.message}", {"router": exc.message}
                     ) from exc
                 raise
-            holder_lease = True
+            # A long upload must not outlive the lease: renew it while the publication runs.
+            heartbeat = asyncio.create_task(self._keep_lease(name))
         try:
             previous = await self._active_version(name)
             if version is None:
@@ -203,14 +205,27 @@ class AsyncPublisher:
                     name, version, "versioned" if mode == "atomic" else "in_place"
                 ),
             )
-            if transfer == "shared_filesystem":
-                plan.shared_path = await asyncio.to_thread(self._share, bundle)
-            result = await self._run(plan, build_s, t_start)
+            try:
+                if transfer == "shared_filesystem":
+                    plan.shared_path = await asyncio.to_thread(self._share, bundle)
+                result = await self._run(plan, build_s, t_start)
+            finally:
+                if plan.shared_path is not None:
+                    # The agents ingested their own copies; this one was only the hand-over.
+                    await asyncio.to_thread(shutil.rmtree, plan.shared_path, True)
         finally:
-            if holder_lease:
-                with contextlib.suppress(LorafleetError):
-                    await self.router.release_lease(name, self.holder)
+            if heartbeat is not None:
+                heartbeat.cancel()
+                with contextlib.suppress(LorafleetError, asyncio.CancelledError):
+                    await asyncio.shield(self.router.release_lease(name, self.holder))
         return result
+
+    async def _keep_lease(self, name: str) -> None:
+        ttl = self.timeouts.lease_ttl
+        while True:
+            await asyncio.sleep(ttl / 3)
+            with contextlib.suppress(LorafleetError):
+                await self.router.acquire_lease(name, self.holder, ttl)
 
     async def _run(self, plan: _Plan, build_s: float, t_start: float) -> PublishResult:
         name, version = plan.bundle.name, plan.bundle.version
@@ -219,9 +234,15 @@ class AsyncPublisher:
             rep.timing = ReplicaTiming(replica=rep.id, agent_url=rep.url)
 
         # Phase 1: stage and load on every replica, concurrently; wait for every one.
-        outcomes = await asyncio.gather(
-            *(self._stage_and_load(rep, plan) for rep in self._replicas), return_exceptions=True
-        )
+        try:
+            outcomes = await asyncio.gather(
+                *(self._stage_and_load(rep, plan) for rep in self._replicas),
+                return_exceptions=True,
+            )
+        except BaseException:  # cancelled (or interrupted): nothing of v may stay behind
+            plan.failures["publisher"] = "cancelled"
+            await asyncio.shield(self._roll_back(plan))
+            raise
         for rep, outcome in zip(self._replicas, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 plan.failures[rep.id] = _reason(outcome)
@@ -246,15 +267,31 @@ class AsyncPublisher:
                     ),
                     self.timeouts.cutover,
                 )
-            except Exception as exc:
-                plan.failures["router"] = _reason(exc)
-                await self._roll_back(plan)
-                cls = (
-                    VersionConflict
-                    if isinstance(exc, RemoteError) and exc.code == ErrorCode.VERSION_CONFLICT
-                    else PublishError
-                )
-                raise cls(self._failure_message(plan), plan.failures) from exc
+            except BaseException as exc:
+                refused = isinstance(exc, RemoteError) and 400 <= exc.status < 500
+                # A timeout, a reset or a 5xx may come after the router made the flip durable:
+                # ask it before deciding, and never unload a version it may be serving.
+                applied = False if refused else await self._flip_applied(plan)
+                if applied is None:
+                    raise PublishError(
+                        f"the router's answer to the flip of {name!r} to v{version} was lost "
+                        f"({_reason(exc)}) and its table cannot be read; v{version} stays loaded "
+                        "on every replica so that whatever the router points at can be served",
+                        {"router": _reason(exc)},
+                    ) from exc
+                if not applied:
+                    plan.failures["router"] = _reason(exc)
+                    await asyncio.shield(self._roll_back(plan))
+                    cls = (
+                        VersionConflict
+                        if isinstance(exc, RemoteError) and exc.code == ErrorCode.VERSION_CONFLICT
+                        else PublishError
+                    )
+                    if not isinstance(exc, Exception):
+                        raise  # cancelled: rolled back, propagate the cancellation
+                    raise cls(self._failure_message(plan), plan.failures) from exc
+                if not isinstance(exc, Exception):
+                    raise  # cancelled after the flip took effect: v serves; nothing to undo
         cutover_s = time.perf_counter() - t
         serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
 
@@ -273,8 +310,8 @@ class AsyncPublisher:
                 else:
                     rep.timing.state = ReplicaState.ACTIVE
 
-        _, drained = await asyncio.gather(activate_all(), self._drain_previous(plan, warnings))
-        retired = await self._release_older(plan, warnings) if drained else []
+        await activate_all()
+        retired = await self._release_older(plan, warnings)
         retire_s = time.perf_counter() - t
         timings = {r.id: r.timing for r in self._replicas}
         return PublishResult(
@@ -345,9 +382,9 @@ class AsyncPublisher:
         timing.state = ReplicaState.LOADED
 
     async def _roll_back(self, plan: _Plan) -> None:
-        """Remove v from every replica that may hold it; discard staging; for in-place, unload
-        the name everywhere. Errors here are recorded, never raised over the original failure."""
-        name, version = plan.bundle.name, plan.bundle.version
+        """Remove v from every replica that holds *this* publication of it; discard staging; in
+        place, unload the name everywhere. Errors are recorded, never raised over the failure."""
+        name, version, digest = plan.bundle.name, plan.bundle.version, plan.bundle.digest
 
         async def one(rep: _Replica) -> None:
             if rep.upload_id:
@@ -356,18 +393,23 @@ class AsyncPublisher:
                 except LorafleetError as exc:
                     if not _is_not_found(exc):
                         plan.failures.setdefault(rep.id, f"discard failed: {_reason(exc)}")
-            versions = [version] if rep.touched else []
+            if not rep.touched and plan.mode != "in_place":
+                return
+            try:
+                held = await rep.client.list_adapters()
+            except LorafleetError as exc:
+                plan.failures.setdefault(rep.id, f"unreachable for rollback: {_reason(exc)}")
+                return
+            # Only our own bytes: another publisher's v (a different digest) is not ours to undo.
+            versions = [a.version for a in held if (a.name, a.version, a.digest) ==
+                        (name, version, digest)]  # fmt: skip
             if plan.mode == "in_place":
                 # Fail closed: the plain name must not keep serving anywhere.
-                try:
-                    held = await rep.client.list_adapters()
-                    versions += [
-                        a.version
-                        for a in held
-                        if a.name == name and a.mode == "in_place" and a.version != version
-                    ]
-                except LorafleetError as exc:
-                    plan.failures.setdefault(rep.id, f"unreachable for rollback: {_reason(exc)}")
+                versions += [
+                    a.version
+                    for a in held
+                    if a.name == name and a.mode == "in_place" and a.version != version
+                ]
             for v in versions:
                 try:
                     await rep.client.unload(name, v)
@@ -379,47 +421,86 @@ class AsyncPublisher:
 
         await asyncio.gather(*(one(r) for r in self._replicas))
         if plan.mode == "in_place" and self.router is not None and plan.previous is not None:
-            with contextlib.suppress(LorafleetError):
-                await self.router.delete_alias(name)
-
-    async def _drain_previous(self, plan: _Plan, warnings: list[str]) -> bool:
-        """Wait until the router has no request in flight on v-1; False if it still has some."""
-        if plan.mode != "atomic" or plan.previous is None:
-            return True
-        try:
-            drained = await self.router.drain(plan.bundle.name, plan.previous, self.timeouts.drain)
-        except LorafleetError as exc:
-            warnings.append(f"drain of v{plan.previous} failed: {_reason(exc)}")
-            return False
-        if not drained.drained:
-            warnings.append(
-                f"v{plan.previous} still had {drained.inflight} request(s) in flight after "
-                f"{self.timeouts.drain}s; it stays loaded until the next publish"
-            )
-        return drained.drained
+            try:
+                await self.router.delete_alias(name, lease_holder=self.holder)
+            except LorafleetError as exc:
+                if not _is_not_found(exc):
+                    plan.failures.setdefault("router", f"alias removal failed: {_reason(exc)}")
 
     async def _release_older(self, plan: _Plan, warnings: list[str]) -> list[int]:
-        """Release every older version of the name: nothing routes to it any more."""
-        name, version = plan.bundle.name, plan.bundle.version
-        retired: set[int] = set()
+        """Release every older version of the name once the router has drained it.
 
-        async def one(rep: _Replica) -> None:
+        v-1 gets the full drain timeout; an older one still in flight (its drain timed out in an
+        earlier publication) is checked without waiting and kept if busy, so that no request is
+        cut off and no file disappears under an engine (promises 3 and 6).
+        """
+        name, version = plan.bundle.name, plan.bundle.version
+        held: dict[str, list[int]] = {}
+
+        async def list_one(rep: _Replica) -> None:
             try:
-                held = await rep.client.list_adapters()
+                records = await rep.client.list_adapters()
             except LorafleetError as exc:
                 warnings.append(f"{rep.id}: cannot list adapters: {_reason(exc)}")
                 return
-            for a in held:
-                if a.name == name and a.version < version and a.state != AdapterState.ACTIVE:
-                    try:
-                        await rep.client.unload(name, a.version)
-                        retired.add(a.version)
-                    except LorafleetError as exc:
-                        if not _is_not_found(exc):
-                            warnings.append(f"{rep.id}: release of v{a.version}: {_reason(exc)}")
+            held[rep.id] = [
+                a.version
+                for a in records
+                if a.name == name and a.version < version and a.state != AdapterState.ACTIVE
+            ]
 
-        await asyncio.gather(*(one(r) for r in self._replicas))
+        await asyncio.gather(*(list_one(r) for r in self._replicas))
+        candidates = sorted({v for vs in held.values() for v in vs})
+        drained = set(candidates)
+        if self.router is not None and candidates:
+
+            async def drain(v: int) -> None:
+                wait = self.timeouts.drain if v == plan.previous else 0.0
+                try:
+                    d = await self.router.drain(name, v, wait)
+                except LorafleetError as exc:
+                    warnings.append(f"drain of v{v} failed: {_reason(exc)}; it stays loaded")
+                    drained.discard(v)
+                    return
+                if not d.drained:
+                    warnings.append(
+                        f"v{v} still had {d.inflight} request(s) in flight after {wait:g}s; it "
+                        "stays loaded until a later publication"
+                    )
+                    drained.discard(v)
+
+            await asyncio.gather(*(drain(v) for v in candidates))
+        retired: set[int] = set()
+
+        async def release(rep: _Replica) -> None:
+            for v in held.get(rep.id, []):
+                if v not in drained:
+                    continue
+                try:
+                    await rep.client.unload(name, v)
+                    retired.add(v)
+                except LorafleetError as exc:
+                    if not _is_not_found(exc):
+                        warnings.append(f"{rep.id}: release of v{v}: {_reason(exc)}")
+
+        await asyncio.gather(*(release(r) for r in self._replicas))
         return sorted(retired)
+
+    async def _flip_applied(self, plan: _Plan) -> bool | None:
+        """Does the router's alias point at this publication? None if it cannot be read."""
+        for attempt in range(5):
+            try:
+                table = await self.router.table()
+            except LorafleetError:
+                await asyncio.sleep(0.2 * 2**attempt)
+                continue
+            entry = table.aliases.get(plan.bundle.name)
+            return (
+                entry is not None
+                and entry.version == plan.bundle.version
+                and entry.engine_name == plan.engine_name
+            )
+        return None
 
     # -- helpers --------------------------------------------------------------------------------
     async def _discover(self) -> None:
@@ -470,6 +551,9 @@ class AsyncPublisher:
 class Publisher:
     """The synchronous Publisher for trainer code. Runs an ``AsyncPublisher`` on its own loop.
 
+    An interrupted ``publish`` (KeyboardInterrupt) cancels the publication and waits up to
+    ``_rollback_wait_s`` for its rollback before re-raising.
+
     ``Publisher(agents=[...], router=..., token=...).publish(model, name="policy")``.
     """
 
@@ -480,6 +564,7 @@ class Publisher:
         token: str | None = None,
         **kwargs: Any,
     ) -> None:
+        self._rollback_wait_s = 60.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="lorafleet-publisher", daemon=True
@@ -490,23 +575,40 @@ class Publisher:
         async def make() -> AsyncPublisher:
             return AsyncPublisher(agents, router, token, **kwargs)
 
-        self._async = self._call(make())
+        try:
+            self._async = self._call(make())
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def _call(self, coro: Awaitable[Any]) -> Any:
         if self._closed:
             raise RuntimeError("this Publisher is closed")
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        return fut.result()
+        try:
+            return fut.result()
+        except BaseException:
+            # Ctrl-C in the trainer: cancel the publication and let its rollback finish, so
+            # that nothing of a half-done publication stays on the replicas.
+            if not fut.done():
+                fut.cancel()
+                with contextlib.suppress(BaseException):
+                    fut.result(timeout=self._rollback_wait_s)
+            raise
 
     def publish(self, source: Any, *, name: str, **kwargs: Any) -> PublishResult:
         """Publish ``source`` as ``name``; see ``AsyncPublisher.apublish``."""
         return self._call(self._async.apublish(source, name=name, **kwargs))
 
     def close(self) -> None:
+        """Release the connections and the loop thread. Not while a publication runs."""
         if self._closed:
             return
         self._call(self._async.aclose())
         self._closed = True
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()

@@ -22,7 +22,16 @@ from lorafleet.protocol.router import (
     SetAliasRequest,
 )
 
-__all__ = ["AsyncRouterClient"]
+__all__ = ["NO_CAS", "AsyncRouterClient"]
+
+
+class _NoCas:
+    def __repr__(self) -> str:
+        return "NO_CAS"
+
+
+NO_CAS = _NoCas()
+"""``set_alias(expected_version=NO_CAS)``: flip without compare-and-set."""
 
 
 class AsyncRouterClient:
@@ -62,10 +71,13 @@ class AsyncRouterClient:
         version: int,
         engine_name: str,
         replicas: list[str],
-        expected_version: int | None = None,
+        expected_version: int | _NoCas | None = NO_CAS,
         lease_holder: str | None = None,
     ) -> AliasEntry:
-        """Flip ``name`` to ``version``. ``expected_version=None`` skips compare-and-set.
+        """Flip ``name`` to ``version``.
+
+        Compare-and-set: ``expected_version`` is the active version the caller saw (``None``: no
+        alias may exist yet); the default ``NO_CAS`` skips the check.
 
         Raises RemoteError ``version_conflict`` (CAS failed or not newer) or
         ``publish_in_progress`` (another holder's lease).
@@ -74,7 +86,7 @@ class AsyncRouterClient:
             version=version, engine_name=engine_name, replicas=replicas, lease_holder=lease_holder
         )
         body = req.model_dump(exclude={"expected_version"})
-        if expected_version is not None:
+        if not isinstance(expected_version, _NoCas):
             body["expected_version"] = expected_version
         r = await self._call("PUT", f"/v1/control/aliases/{quote(name, safe='')}", json=body)
         return AliasEntry.model_validate_json(r.content)
