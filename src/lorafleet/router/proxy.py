@@ -33,12 +33,16 @@ __all__ = ["MAX_BODY", "Proxy"]
 
 MAX_BODY = 32 << 20
 _DONE = b"data: [DONE]"
+# The end-of-stream event starts a line; model text inside a JSON payload never contains a raw
+# newline, so "\ndata: [DONE]" cannot be matched inside an event's content.
+_DONE_LINE = b"\n" + _DONE
 _MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # No response byte came back: safe to send the request to another replica.
 _CONNECT_ERRORS = (
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
+    aiohttp.ServerTimeoutError,  # includes the connect timeout (aiohttp.ConnectionTimeoutError)
 )
 _JSON_CT = (b"content-type", b"application/json")
 _FWD_HEADERS = {"Content-Type": "application/json"}
@@ -365,7 +369,8 @@ class Proxy:
                 (b'"model": "' + eng + b'"', b'"model": "' + ali + b'"'),
             ]
         engine_model: bytes | None = None
-        pending = b""
+        pending = b"\n"  # the start of the stream is a line start
+        sent_any = False
         tagged = False
         async for chunk in resp.content.iter_any():
             if engine_model is None:
@@ -378,19 +383,24 @@ class Proxy:
             if tagged:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 continue
-            buf = pending + chunk if pending else chunk
-            i = buf.find(_DONE)
+            buf = pending + chunk
+            i = buf.find(_DONE_LINE)
             if i >= 0:
                 tag = self._tag_event(route, replica, engine_model, path)
-                buf = buf[:i] + tag + buf[i:]
+                buf = buf[: i + 1] + tag + buf[i + 1 :]
                 tagged, pending = True, b""
             else:
-                # Hold back only a tail that could be the start of "data: [DONE]".
+                # Hold back only a tail that could be the start of "\ndata: [DONE]".
                 keep = _partial_suffix(buf)
                 buf, pending = (buf[:-keep], buf[-keep:]) if keep else (buf, b"")
+            if sent_any is False and buf.startswith(b"\n"):
+                buf = buf[1:]  # the line-start marker that stood for the start of the stream
             if buf:
+                sent_any = True
                 await send({"type": "http.response.body", "body": buf, "more_body": True})
         if not tagged:
+            if not sent_any and pending.startswith(b"\n"):
+                pending = pending[1:]
             tail = pending + self._tag_event(route, replica, engine_model, path)
             await send({"type": "http.response.body", "body": tail, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
@@ -436,8 +446,8 @@ async def _watched(fwd, receive) -> int:
 
 
 def _partial_suffix(buf: bytes) -> int:
-    """Length of the longest proper prefix of ``data: [DONE]`` that ``buf`` ends with."""
-    for n in range(min(len(_DONE) - 1, len(buf)), 0, -1):
-        if buf.endswith(_DONE[:n]):
+    """Length of the longest proper prefix of ``\ndata: [DONE]`` that ``buf`` ends with."""
+    for n in range(min(len(_DONE_LINE) - 1, len(buf)), 0, -1):
+        if buf.endswith(_DONE_LINE[:n]):
             return n
     return 0
