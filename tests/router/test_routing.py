@@ -369,6 +369,21 @@ def test_bad_input_on_every_route_is_a_precise_4xx(router):
     assert httpx.get(url + "/v1/control/aliases", headers=ctl).json() == before
 
 
+def test_metrics_drop_retired_versions(router, fleet, peft_dir):
+    a, _ = fleet
+    names = {v: install_sync([a.agent], peft_dir, "metered", v) for v in (1, 2)}
+    assert set_alias(router, "metered", 1, names[1], [a.replica_id]).status_code == 200
+    assert complete(router, "metered").status_code == 200
+    text = httpx.get(router.url + "/metrics").text
+    assert 'adapter="metered",status="200",version="1"' in text
+    assert set_alias(router, "metered", 2, names[2], [a.replica_id]).status_code == 200
+    assert complete(router, "metered").status_code == 200
+    text = httpx.get(router.url + "/metrics").text
+    assert 'adapter="metered",status="200",version="2"' in text
+    # v1 is neither active nor in flight: its series are gone, v2's stay
+    assert not [ln for ln in text.splitlines() if 'adapter="metered"' in ln and 'version="1"' in ln]
+
+
 def test_retry_once_when_an_engine_dies(procs, fleet, peft_dir):
     """Runs last: it kills replica a's engine. A slow health poll keeps the dead replica in the
     table, so the first request sent there meets a refused connection and is retried on b."""

@@ -121,7 +121,16 @@ class RouterApp:
             )
 
     def export_gauges(self) -> None:
-        """In-flight gauges are set at scrape time so the hot path does no gauge work."""
+        """In-flight gauges are set at scrape time so the hot path does no gauge work.
+
+        A version that is neither active nor in flight is retired: its series are dropped.
+        """
+        active = {(name, e.version) for name, e in self.store.aliases.items()}
+        for adapter, version in list(self.metrics._children):
+            if adapter is None or version is None or (adapter, version) in active:
+                continue
+            if self.balancer.count(adapter, version) == 0:
+                self.metrics.forget(adapter, version)
         for adapter, version in set(self.metrics._children) | set(self.balancer.inflight):
             _, gauge = self.metrics.children(adapter, version)
             gauge.set(self.balancer.count(adapter, version))

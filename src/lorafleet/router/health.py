@@ -42,9 +42,9 @@ class HealthPoller:
 
     async def _poll(self, r: Replica) -> None:
         try:
-            if r.engine_url is None or not r.healthy:
-                # (Re)learn identity when it is unknown or the replica was down: it may have
-                # come back with another engine URL.
+            if r.engine_url is None or not r.healthy or r.suspect:
+                # (Re)learn identity when it is unknown, the replica was down or its engine
+                # refused connections: it may have come back with another engine URL.
                 async with self.session.get(
                     r.agent_url + "/v1/info", headers=self.headers, timeout=self.timeout
                 ) as resp:

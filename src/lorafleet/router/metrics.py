@@ -60,6 +60,17 @@ class RouterMetrics:
             got = self._children[key] = (self.latency.labels(a, v), self.inflight.labels(a, v))
         return got
 
+    def forget(self, adapter: str, version: int) -> None:
+        """Drop a retired version's series: a run that publishes every step would otherwise
+        grow every scrape without bound."""
+        a, v = adapter, str(version)
+        if self._children.pop((adapter, version), None) is not None:
+            self.latency.remove(a, v)
+            self.inflight.remove(a, v)
+        for key in [k for k in self._counters if k[:2] == (adapter, version)]:
+            del self._counters[key]
+            self.requests.remove(a, v, str(key[2]))
+
     def count(self, adapter: str | None, version: int | None, status: int) -> None:
         key = (adapter, version, status)
         c = self._counters.get(key)
