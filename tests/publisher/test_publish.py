@@ -190,11 +190,20 @@ def test_in_place_upsert_replaces_weights(make_fleet, adapters, tiny_model):
     with Publisher(fleet.agent_urls, token=fleet.token) as pub:
         pub.publish(str(adapters["a"]), name="policy", mode="in_place")
         pub.publish(str(adapters["b"]), name="policy", mode="in_place")
+        assert engine_greedy(fleet.engines[0], "policy") == (
+            200,
+            merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8),
+        )
+        # the replaced version keeps its files for one more publication, then goes
+        held = {(a["version"], a["state"]) for a in fleet.adapters(0)}
+        assert held == {(1, "staged"), (2, "active")}
+        pub.publish(str(adapters["a"]), name="policy", mode="in_place")
+    held = {(a["version"], a["state"]) for a in fleet.adapters(0)}
+    assert held == {(2, "staged"), (3, "active")}
     assert engine_greedy(fleet.engines[0], "policy") == (
         200,
-        merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8),
+        merged_greedy_ids(tiny_model, adapters["a"], PROMPT, 8),
     )
-    assert [(a["version"], a["engine_name"]) for a in fleet.adapters(0)] == [(2, "policy")]
 
 
 def test_resumed_run_native_checkpoint_first_publish(make_fleet, adapters, tiny_model):

