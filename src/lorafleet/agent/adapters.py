@@ -265,13 +265,26 @@ class AdapterService:
                         f"{self.caps.max_adapters}; unload one before loading {ename!r}",
                     )
             t0 = time.perf_counter()
+            # Recorded before the call: if its outcome is unknown (timeout, cancellation, crash)
+            # the engine may hold ``ename`` from these files, and unload must ask it first.
+            attempt = {"mode": mode, "engine_name": ename}
+            pending = rec.model_copy(
+                update={**attempt, "error": f"loading as {ename!r}: outcome unknown"}
+            )
+            self.db.put(StoredAdapter(pending, item.manifest))
             try:
                 await self.backend.load(ename, rec.path, replace=holder is not None)
             except EngineRejected as exc:
-                rec = rec.model_copy(update={"state": AdapterState.FAILED, "error": str(exc)})
+                rec = rec.model_copy(
+                    update={**attempt, "state": AdapterState.FAILED, "error": str(exc)}
+                )
                 self.db.put(StoredAdapter(rec, item.manifest))
                 raise engine_error(exc) from None
             except EngineUnavailable as exc:
+                rec = pending.model_copy(
+                    update={"error": f"loading as {ename!r}: outcome unknown: {exc}"}
+                )
+                self.db.put(StoredAdapter(rec, item.manifest))
                 raise engine_error(exc) from None
             self.metrics.load_seconds.observe(time.perf_counter() - t0)
             state = AdapterState.LOADED
@@ -279,7 +292,7 @@ class AdapterService:
                 # The replaced version leaves the engine; its files may go when it is unloaded.
                 if holder.record.state == AdapterState.ACTIVE:
                     state = AdapterState.ACTIVE
-                old = holder.record.model_copy(update={"state": AdapterState.STAGED})
+                old = holder.record.model_copy(update={"state": AdapterState.STAGED, "error": None})
                 self.db.put(StoredAdapter(old, holder.manifest))
             rec = rec.model_copy(
                 update={"state": state, "mode": mode, "engine_name": ename, "error": None}
@@ -314,12 +327,13 @@ class AdapterService:
         async with self.locks[name]:
             item = self._get(name, version)
             rec = item.record
-            if rec.state in _IN_ENGINE:
+            for ename in self._engine_names(item):
                 try:
-                    await self.backend.unload(rec.engine_name)
+                    await self.backend.unload(ename)
                 except AdapterMissing:
-                    pass  # already gone (engine restarted): nothing holds the files
+                    pass  # already gone (engine restarted, or never got there)
                 except (EngineRejected, EngineUnavailable) as exc:
+                    # Keep the files: the engine may hold them (promise 6).
                     raise engine_error(exc) from None
             self.db.delete(name, version)
             shas = item.shas
@@ -327,6 +341,27 @@ class AdapterService:
             self.uploads.gc_blobs(shas)
             self._update_usage()
             return rec.model_copy(update={"state": AdapterState.STAGED})
+
+    def _engine_names(self, item: StoredAdapter) -> list[str]:
+        """Engine names that may hold this version's files, to unload before deleting them.
+
+        A loaded record holds its engine name. A record that is not loaded may still be in the
+        engine when a load's outcome was unknown (a read timeout while the engine kept loading)
+        or the engine refused a second load of a name it already had: its versioned name is
+        tried, and the plain name when it was loaded in place and no other record holds that.
+        A staged record no load was ever tried for (no ``error``) was never in the engine.
+        """
+        rec = item.record
+        if rec.state in _IN_ENGINE:
+            return [rec.engine_name]
+        if rec.state == AdapterState.STAGED and rec.error is None:
+            return []
+        names = [engine_name(rec.name, rec.version)]
+        if rec.mode == "in_place":
+            plain = engine_name(rec.name, rec.version, "in_place")
+            if plain not in names and self._holder(plain) is None:
+                names.append(plain)
+        return names
 
     def list(self) -> list[AdapterRecord]:
         return [i.record for i in self.db.all()]

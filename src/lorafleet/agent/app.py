@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
     JsonBodyLimit,
+    error_response,
     install_error_handlers,
     require_token,
 )
@@ -48,6 +49,7 @@ from lorafleet.protocol.agent import (
     UploadSession,
     UploadStatus,
 )
+from lorafleet.protocol.errors import ErrorCode
 
 __all__ = ["AgentConfig", "create_app"]
 
@@ -128,6 +130,11 @@ class Runtime:
                 self.probe_detail = str(exc)
                 await asyncio.sleep(0.5)
                 continue
+            except Exception as exc:  # a garbled answer must not end the probing for good
+                log.warning("engine probe failed: %s: %s", type(exc).__name__, exc)
+                self.probe_detail = f"engine probe failed: {type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.5)
+                continue
             self.caps = probe.capabilities
             self.service.caps = probe.capabilities
             if not self.cfg.served_model_name:
@@ -177,6 +184,13 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     app = FastAPI(title="lorafleet agent", version="1", lifespan=lifespan)
     app.state.runtime = rt
     install_error_handlers(app)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Anything not mapped to a protocol error is still answered in the error envelope.
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
     # Upload PUTs stream raw bytes, capped by the declared file size instead.
     app.add_middleware(JsonBodyLimit, limit=cfg.json_limit, stream_prefix="/v1/uploads/")
 

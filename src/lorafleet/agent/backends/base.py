@@ -24,6 +24,7 @@ __all__ = [
     "EngineProbe",
     "EngineRejected",
     "EngineUnavailable",
+    "json_dict",
 ]
 
 
@@ -64,6 +65,15 @@ def map_transport(url: str) -> Iterator[None]:
         raise EngineUnavailable(
             f"engine at {url} unreachable: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def json_dict(resp: httpx.Response) -> dict:
+    """The response's JSON object, or ``{}`` when the body is not JSON or not an object."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def error_text(resp: httpx.Response) -> str:
@@ -115,4 +125,7 @@ class EngineBackend(ABC):
             r = await self.http.get("/v1/models", timeout=5.0)
         if r.status_code != 200:
             raise EngineUnavailable(f"GET /v1/models answered {r.status_code}: {error_text(r)}")
-        return list(r.json().get("data", []))
+        data = json_dict(r).get("data")
+        if not isinstance(data, list):
+            raise EngineUnavailable(f"GET /v1/models answered no model list: {r.text[:200]!r}")
+        return [c for c in data if isinstance(c, dict) and "id" in c]

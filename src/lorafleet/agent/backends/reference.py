@@ -6,7 +6,13 @@ the engine's real limits, so the agent refuses what the engine would refuse befo
 
 from __future__ import annotations
 
-from lorafleet.agent.backends.base import EngineProbe, EngineUnavailable, error_text, map_transport
+from lorafleet.agent.backends.base import (
+    EngineProbe,
+    EngineUnavailable,
+    error_text,
+    json_dict,
+    map_transport,
+)
 from lorafleet.agent.backends.vllm import VLLMBackend
 from lorafleet.protocol.agent import EngineCapabilities
 
@@ -23,7 +29,11 @@ class ReferenceBackend(VLLMBackend):
             raise EngineUnavailable(
                 f"GET /v1/engine_info answered {r.status_code}: {error_text(r)}"
             )
-        info = r.json()
+        info = json_dict(r)
+        if not info:
+            raise EngineUnavailable(
+                f"GET /v1/engine_info answered no JSON object: {r.text[:200]!r}"
+            )
         caps = EngineCapabilities(
             kind="reference",
             max_lora_rank=self.max_lora_rank or info.get("max_lora_rank"),

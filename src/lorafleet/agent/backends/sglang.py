@@ -19,6 +19,7 @@ from lorafleet.agent.backends.base import (
     EngineRejected,
     EngineUnavailable,
     error_text,
+    json_dict,
     map_transport,
 )
 from lorafleet.protocol.agent import EngineCapabilities
@@ -66,10 +67,7 @@ class SGLangBackend(EngineBackend):
     async def _post(self, route: str, body: dict) -> dict:
         with map_transport(self.url):
             r = await self.http.post(route, json=body)
-        try:
-            data = r.json()
-        except ValueError:
-            data = {}
+        data = json_dict(r)
         if r.status_code == 404 and data.get("detail") == "Not Found":
             raise EngineUnavailable(
                 f"the engine has no {route} route (start it with --enable-lora)"
@@ -89,6 +87,12 @@ class SGLangBackend(EngineBackend):
             with contextlib.suppress(AdapterMissing):
                 await self.unload(name)
         data = await self._post("/load_lora_adapter", body)
+        if not data.get("success", True) and "already loaded" in str(data.get("error_message")):
+            # A lost answer to an earlier load of the same name and path: already done.
+            with contextlib.suppress(EngineUnavailable):
+                held = await self.list_adapters()
+                if name in held and held[name] in ("", path):
+                    return
         if not data.get("success", True):
             raise EngineRejected(
                 f"SGLang refused to load {name!r}: {data.get('error_message')}", data.get("status")

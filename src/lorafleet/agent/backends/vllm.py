@@ -18,6 +18,7 @@ from lorafleet.agent.backends.base import (
     EngineRejected,
     EngineUnavailable,
     error_text,
+    json_dict,
     map_transport,
 )
 from lorafleet.protocol.agent import EngineCapabilities
@@ -67,7 +68,7 @@ class VLLMBackend(EngineBackend):
             r = await self.http.post(
                 "/v1/unload_lora_adapter", json={"lora_name": "__lorafleet_probe__"}
             )
-        if r.status_code == 404 and r.json().get("detail") == "Not Found":
+        if r.status_code == 404 and json_dict(r).get("detail") == "Not Found":
             raise EngineUnavailable(
                 "the engine has no runtime LoRA API: start vLLM with "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
@@ -89,6 +90,12 @@ class VLLMBackend(EngineBackend):
             raise EngineUnavailable("the engine's runtime LoRA API is disabled")
         if r.status_code >= 500 and "EngineCore" in msg:
             raise EngineUnavailable(f"engine failed: {msg}")
+        if r.status_code == 400 and "has already been loaded" in msg and not replace:
+            # An earlier load whose answer was lost (read timeout) went through: the same name
+            # from the same path is what we asked for, so this load is done (idempotent).
+            held = await self.list_adapters()
+            if name in held and held[name] in ("", path):
+                return
         raise EngineRejected(
             f"vLLM refused to load {name!r} (HTTP {r.status_code}): {msg}", r.status_code
         )
