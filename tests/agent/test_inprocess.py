@@ -1,0 +1,260 @@
+"""In-process regressions: AdapterService/UploadManager/Reconciler against a fake engine.
+
+Races and failure timings that real processes cannot hit on demand; fast (no engine, no model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+import lorafleet.agent.adapters as adapters_mod
+from lorafleet._service import ServiceError
+from lorafleet.agent.backends import (
+    AdapterMissing,
+    EngineRejected,
+    EngineUnavailable,
+    VLLMBackend,
+)
+from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.state import StateDB
+from lorafleet.agent.store import Store
+from lorafleet.agent.uploads import UploadLimits, UploadManager
+from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.protocol.agent import AdapterState, EngineCapabilities
+
+CFG = b'{"r": 8}'
+
+
+class FakeEngine:
+    """vLLM-like: a name loads once (400 on a second plain load); can time out after loading."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, str] = {}
+        self.timeout_after_load = False
+        self.down = False
+        self.refuse: str | None = None
+
+    async def list_adapters(self) -> dict[str, str]:
+        if self.down:
+            raise EngineUnavailable("down")
+        return dict(self.held)
+
+    async def load(self, name: str, path: str, *, replace: bool = False) -> None:
+        if self.down:
+            raise EngineUnavailable("down")
+        if self.refuse:
+            raise EngineRejected(self.refuse, 500)
+        if name in self.held and not replace:
+            raise EngineRejected(f"The lora adapter '{name}' has already been loaded.", 400)
+        self.held[name] = path
+        if self.timeout_after_load:
+            raise EngineUnavailable("ReadTimeout")
+
+    async def unload(self, name: str) -> None:
+        if self.down:
+            raise EngineUnavailable("down")
+        if name not in self.held:
+            raise AdapterMissing(name)
+        del self.held[name]
+
+
+class _Valid:
+    ok = True
+    problems: list[str] = []
+
+
+class Node:
+    def __init__(self, root: Path, **limits) -> None:
+        self.store = Store(root)
+        self.metrics = Metrics()
+        self.uploads = UploadManager(self.store, UploadLimits(**limits), self.metrics)
+        self.engine = FakeEngine()
+        self.db = StateDB(root / "state.db")
+        self.svc = adapters_mod.AdapterService(
+            self.store,
+            self.db,
+            self.uploads,
+            self.engine,  # type: ignore[arg-type]
+            EngineCapabilities(kind="vllm"),
+            self.metrics,
+        )
+
+    async def put(self, sid: str, path: str, data: bytes, offset: int = 0, step: int = 16):
+        return await self.uploads.put(
+            sid,
+            path,
+            chunks(data, step),
+            offset=offset,
+            content_length=None,
+            repr_digest=None,
+            content_digest=None,
+        )
+
+    async def publish(self, files: dict[str, bytes], name: str = "foo", version: int = 1):
+        s = self.uploads.open(manifest(name, version, files), self.svc.check_version)
+        for p in s.missing:
+            await self.put(s.upload_id, p, files[p])
+        return await self.svc.commit(s.upload_id)
+
+    def blobs(self) -> set[str]:
+        return {p.name for p in self.store.blobs.iterdir()}
+
+
+def manifest(name: str, version: int, files: dict[str, bytes]) -> Manifest:
+    return Manifest(
+        name=name,
+        version=version,
+        config={"r": 8},
+        files=tuple(
+            FileEntry(path=p, size=len(b), sha256=hashlib.sha256(b).hexdigest())
+            for p, b in files.items()
+        ),
+    )
+
+
+async def chunks(data: bytes, step: int = 16):
+    for i in range(0, len(data), step):
+        yield data[i : i + step]
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch) -> Node:
+    monkeypatch.setattr(adapters_mod, "validate_adapter_dir", lambda *a, **k: _Valid())
+    n = Node(tmp_path / "data")
+    yield n
+    n.db.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# --- 1. unload never deletes files the engine may hold (promise 6) -------------------------------
+
+
+def test_unload_after_ambiguous_load_unloads_engine_first(node):
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": b"W1" * 50}
+
+    async def go():
+        rec = await node.publish(files)
+        node.engine.timeout_after_load = True  # the engine loads it, the answer is lost
+        with pytest.raises(ServiceError) as ei:
+            await node.svc.load("foo", 1, "versioned")
+        assert ei.value.code == "engine_unavailable"
+        assert "foo@v1" in node.engine.held
+        # unreachable engine: refuse, keep the files
+        node.engine.down = True
+        with pytest.raises(ServiceError) as ei:
+            await node.svc.unload("foo", 1)
+        assert ei.value.code == "engine_unavailable"
+        assert Path(rec.path).is_dir() and node.db.get("foo", 1) is not None
+        node.engine.down = False
+        await node.svc.unload("foo", 1)
+        assert node.engine.held == {}
+        assert not Path(rec.path).exists()
+
+    run(go())
+
+
+def test_unload_of_failed_duplicate_load_unloads_engine_first(node):
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": b"W1" * 50}
+
+    async def go():
+        rec = await node.publish(files)
+        node.engine.held["foo@v1"] = rec.path  # a lost answer: the engine has it already
+        node.engine.refuse = "bad rank"
+        with pytest.raises(ServiceError):
+            await node.svc.load("foo", 1, "versioned")
+        assert node.db.get("foo", 1).record.state == AdapterState.FAILED
+        node.engine.refuse = None
+        await node.svc.unload("foo", 1)
+        assert node.engine.held == {} and not Path(rec.path).exists()
+
+    run(go())
+
+
+def test_unload_never_loaded_needs_no_engine(node):
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": b"W1" * 50}
+
+    async def go():
+        rec = await node.publish(files)
+        node.engine.down = True
+        await node.svc.unload("foo", 1)  # the Publisher's rollback works with the engine down
+        assert not Path(rec.path).exists()
+
+    run(go())
+
+
+def test_vllm_duplicate_load_of_same_path_is_success():
+    loaded: dict[str, str] = {"foo@v1": "/data/adapters/foo/1"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            cards = [{"id": "base"}] + [
+                {"id": n, "parent": "base", "root": p} for n, p in loaded.items()
+            ]
+            return httpx.Response(200, json={"data": cards})
+        return httpx.Response(
+            400,
+            json={"error": {"message": "The lora adapter 'foo@v1' has already been loaded."}},
+        )
+
+    async def go():
+        b = VLLMBackend("http://engine")
+        await b.http.aclose()
+        b.http = httpx.AsyncClient(base_url=b.url, transport=httpx.MockTransport(handler))
+        await b.load("foo@v1", "/data/adapters/foo/1")  # same name and path: done
+        with pytest.raises(EngineRejected):
+            await b.load("foo@v1", "/elsewhere")
+        await b.aclose()
+
+    run(go())
+
+
+# --- 7. the engine probe survives a garbled answer ---------------------------------------------
+
+
+def test_probe_retries_after_non_json_answer(tmp_path):
+    from lorafleet.agent.app import AgentConfig, Runtime
+
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            return httpx.Response(200, text="<html>starting</html>")
+        if request.url.path == "/v1/engine_info":
+            return httpx.Response(200, json={"model": "tiny", "max_loras": 4})
+        return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+
+    async def go():
+        cfg = AgentConfig(
+            engine="reference",
+            engine_url="http://engine",
+            data_dir=str(tmp_path / "d"),
+            token=None,
+            replica_id="r0",
+            reconcile_interval=0.05,
+        )
+        rt = Runtime(cfg)
+        await rt.backend.http.aclose()
+        rt.backend.http = httpx.AsyncClient(
+            base_url=rt.backend.url, transport=httpx.MockTransport(handler)
+        )
+
+        await rt.start()
+        try:
+            for _ in range(100):
+                if rt.probed:
+                    break
+                await asyncio.sleep(0.05)
+            assert rt.probed and rt.base_model == "tiny"
+        finally:
+            await rt.stop()
+
+    run(go())
