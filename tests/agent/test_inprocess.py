@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 import lorafleet.agent.adapters as adapters_mod
+import lorafleet.agent.uploads as uploads_mod
 from lorafleet._service import ServiceError
 from lorafleet.agent.backends import (
     AdapterMissing,
@@ -256,5 +259,108 @@ def test_probe_retries_after_non_json_answer(tmp_path):
             assert rt.probed and rt.base_model == "tiny"
         finally:
             await rt.stop()
+
+    run(go())
+
+
+# --- 2./3. a PUT's descriptor, cancellation and write failures ---------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypatch, tmp_path):
+    monkeypatch.setattr(uploads_mod, "_BATCH", 16)
+    real = uploads_mod._write_and_hash
+
+    def slow(fd, parts):
+        time.sleep(0.1)
+        return real(fd, parts)
+
+    monkeypatch.setattr(uploads_mod, "_write_and_hash", slow)
+    data = b"Z" * 160
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": data}
+
+    async def dropping():
+        for i in range(0, 48, 16):
+            yield data[i : i + 16]
+        raise ConnectionResetError("client went away")
+
+    async def go():
+        before = _open_fds()
+        s = node.uploads.open(manifest("a", 1, files), node.svc.check_version)
+        t = asyncio.create_task(
+            node.uploads.put(
+                s.upload_id,
+                "adapter_model.safetensors",
+                dropping(),
+                offset=0,
+                content_length=None,
+                repr_digest=None,
+                content_digest=None,
+            )
+        )
+        await asyncio.sleep(0.05)  # the PUT is waiting for its queued batches
+        node.uploads.close(s.upload_id, keep_blobs=False)  # DELETE or the reaper
+        await asyncio.sleep(0.01)
+        other = tmp_path / "other"
+        fd2 = os.open(other, os.O_WRONLY | os.O_CREAT, 0o600)  # another PUT's partial
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            assert t.cancelled()
+            await asyncio.sleep(0.3)
+        finally:
+            os.close(fd2)
+        assert other.read_bytes() == b""
+        assert _open_fds() == before
+        assert not (node.store.staging / s.upload_id).exists()
+
+    run(go())
+
+
+def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
+    monkeypatch.setattr(uploads_mod, "_BATCH", 16)
+    real = uploads_mod._write_and_hash
+    calls = {"n": 0}
+
+    def flaky(fd, parts):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(fd, parts)
+
+    data = bytes(range(160))
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": data}
+    path = "adapter_model.safetensors"
+
+    async def cut(n):
+        async for c in chunks(data[:n]):
+            yield c
+        raise ConnectionResetError("client gone")
+
+    async def go():
+        s = node.uploads.open(manifest("bar", 1, files), node.svc.check_version)
+        await node.put(s.upload_id, "adapter_config.json", CFG)
+        monkeypatch.setattr(uploads_mod, "_write_and_hash", flaky)
+        with pytest.raises((ServiceError, OSError)):
+            await node.uploads.put(
+                s.upload_id,
+                path,
+                cut(96),
+                offset=0,
+                content_length=None,
+                repr_digest=None,
+                content_digest=None,
+            )
+        monkeypatch.setattr(uploads_mod, "_write_and_hash", real)
+        off = node.uploads.offset(s.upload_id, path)
+        partial = node.store.partial_path(s.upload_id, path)
+        assert partial.read_bytes() == data[:off]
+        r = await node.put(s.upload_id, path, data[off:], offset=off)
+        assert r.complete
+        blob = node.store.blob_path(hashlib.sha256(data).hexdigest())
+        assert blob.read_bytes() == data
 
     run(go())

@@ -15,12 +15,13 @@ import base64
 import binascii
 import contextlib
 import hashlib
+import logging
 import os
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from lorafleet._service import ServiceError
@@ -36,6 +37,8 @@ _BATCH = 4 << 20  # bytes handed to the writer threads at once
 _INFLIGHT = 3  # batches queued for the threads while the loop receives the next one
 _IOV_MAX = 512
 _RESERVE = 1 << 30  # free disk kept back when no quota is configured
+
+log = logging.getLogger("lorafleet.agent")
 
 
 @dataclass
@@ -112,11 +115,84 @@ def _hash_parts(parts: list[bytes], *hashers) -> None:
             h.update(p)
 
 
-def _fsync_close(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class _WriteFailed(Exception):
+    """A batch could not be written; stop receiving."""
+
+
+class _Pipe:
+    """Batches written by one thread and hashed by another, each in order, for one descriptor.
+
+    The descriptor belongs to the write thread: ``finish`` queues fsync and close behind every
+    write, so it is never closed while a write is pending. After a failed write, later batches
+    are skipped, ``error`` is set and ``written`` counts only the bytes that reached the file.
+    """
+
+    def __init__(self, fd: int, hashers: tuple) -> None:
+        self.fd = fd
+        self.hashers = hashers
+        self.wx = ThreadPoolExecutor(1, thread_name_prefix="upload-write")
+        self.hx = ThreadPoolExecutor(1, thread_name_prefix="upload-hash")
+        self.pending: deque[tuple[Future, Future]] = deque()
+        self.written = 0
+        self.error: BaseException | None = None
+
+    def _write(self, parts: list[bytes], n: int) -> None:
+        if self.error is not None:
+            return  # nothing after a hole
+        try:
+            _write_and_hash(self.fd, parts)
+        except BaseException as exc:
+            self.error = exc
+            return
+        self.written += n
+
+    def _close(self) -> None:
+        try:
+            if self.error is None:
+                os.fsync(self.fd)
+        except BaseException as exc:
+            self.error = exc
+            self.written = 0  # nothing is known to be durable
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+    def submit(self, parts: list[bytes]) -> None:
+        n = sum(len(p) for p in parts)
+        w = self.wx.submit(self._write, parts, n)
+        h = self.hx.submit(_hash_parts, parts, *self.hashers)
+        self.pending.append((w, h))
+
+    async def backlog(self, limit: int) -> None:
+        """Wait until at most ``limit`` batches are queued; raise if a write failed."""
+        while len(self.pending) > limit:
+            w, h = self.pending[0]
+            await asyncio.shield(asyncio.wrap_future(w))
+            await asyncio.shield(asyncio.wrap_future(h))
+            self.pending.popleft()
+            if self.error is not None:
+                raise _WriteFailed
+
+    async def finish(self) -> bool:
+        """Close after every queued write, wait for every hash; True if cancelled meanwhile."""
+        done = (self.wx.submit(self._close), self.hx.submit(lambda: None))
+        self.wx.shutdown(wait=False)
+        self.hx.shutdown(wait=False)
+        cancelled = False
+        for fut in done:
+            af = asyncio.wrap_future(fut)
+            while not af.done():
+                try:
+                    await asyncio.shield(af)
+                except asyncio.CancelledError:
+                    cancelled = True
+                except BaseException:
+                    break
+        for _, h in self.pending:
+            if h.exception() is not None and self.error is None:
+                self.error = h.exception()
+                self.written = 0
+        return cancelled
 
 
 def _rehash(path: str, length: int) -> object:
@@ -309,7 +385,6 @@ class UploadManager:
         entry = f.entry
         partial = self.store.partial_path(s.id, entry.path)
         partial.parent.mkdir(parents=True, exist_ok=True)
-        loop = asyncio.get_running_loop()
         if f.hasher is None:
             f.hasher = (
                 await asyncio.to_thread(_rehash, str(partial), f.offset)
@@ -320,89 +395,74 @@ class UploadManager:
         chash = hashlib.sha256() if chunk_want else None
         hashers = (hasher, chash) if chash else (hasher,)
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.ftruncate(fd, f.offset)  # drop anything past the durable offset
-        os.lseek(fd, f.offset, os.SEEK_SET)
-        received = f.offset
+        try:
+            os.ftruncate(fd, f.offset)  # drop anything past the durable offset
+            os.lseek(fd, f.offset, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        start = received = f.offset
         parts: list[bytes] = []
         nbuf = 0
-        # One thread writes and one hashes, each in order (single-worker executors), while the
-        # event loop keeps receiving: up to _INFLIGHT batches are queued, which bounds memory.
-        wx = ThreadPoolExecutor(1, thread_name_prefix="upload-write")
-        hx = ThreadPoolExecutor(1, thread_name_prefix="upload-hash")
-        inflight: deque[asyncio.Future] = deque()
-
-        def flush() -> None:
-            batch = parts.copy()
-            parts.clear()
-            inflight.append(
-                asyncio.gather(
-                    loop.run_in_executor(wx, _write_and_hash, fd, batch),
-                    loop.run_in_executor(hx, _hash_parts, batch, *hashers),
-                )
-            )
-
-        async def drain(limit: int) -> None:
-            while len(inflight) > limit:
-                await inflight.popleft()
-
-        closed = False
+        pipe = _Pipe(fd, hashers)  # owns fd from here: only its write thread closes it
+        refused = False
+        cancelled = False
         try:
             async for chunk in body:
                 if not chunk:
                     continue
-                received += len(chunk)
-                if received > entry.size:
+                if received + len(chunk) > entry.size:
+                    refused = True
                     self.metrics.verification_failures.labels("size").inc()
-                    await drain(0)
-                    os.close(fd)
-                    closed = True
-                    self._reset(s, f)
                     raise ServiceError(
                         ErrorCode.SIZE_EXCEEDED,
                         f"{entry.path!r}: more bytes than the declared size of {entry.size}",
                         param=entry.path,
                     )
+                received += len(chunk)
                 parts.append(chunk)
                 nbuf += len(chunk)
                 if nbuf >= _BATCH:
                     self.metrics.bytes_received.inc(nbuf)
-                    flush()
-                    nbuf = 0
+                    pipe.submit(parts)
+                    parts, nbuf = [], 0
                     s.touch()
-                    await drain(_INFLIGHT)
+                    await pipe.backlog(_INFLIGHT)
                 if s.closed:
+                    refused = True
                     raise ServiceError(ErrorCode.UPLOAD_NOT_FOUND, f"upload {s.id} was discarded")
-            if parts:
+        except _WriteFailed:
+            pass  # answered below, once the written prefix is known
+        finally:
+            # Every exit (done, refused, broken connection, cancelled) comes through here: the
+            # received bytes are written, then fsync and close run on the write thread after
+            # every queued write, so no write can land in a reused descriptor. A cancel that
+            # arrives meanwhile is remembered and re-raised once this is done.
+            if parts and not refused:
                 self.metrics.bytes_received.inc(nbuf)
-                flush()
-            await drain(0)
-            await asyncio.to_thread(_fsync_close, fd)
-            closed = True
-        except ServiceError:
-            raise
-        except BaseException:
-            # Broken connection (ClientDisconnect) or cancellation: keep the verified prefix
-            # durable so the client resumes from HEAD's Upload-Offset.
-            if not closed:
-                with contextlib.suppress(BaseException):
-                    if parts:
-                        flush()
-                    await asyncio.shield(drain(0))
-                    await asyncio.shield(asyncio.to_thread(_fsync_close, fd))
-                    closed = True
-                    f.offset = received
-            if not closed:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                pipe.submit(parts)
+            cancelled = await pipe.finish()
+            if refused:
+                self._reset(s, f)
+            elif pipe.error is not None:
+                # A batch was not written: the hash covers bytes that are not on disk. Keep
+                # only the written prefix, and re-hash it from disk on resume.
                 f.hasher = None
-                f.offset = os.path.getsize(partial) if partial.exists() else 0
+                f.offset = start + pipe.written
+                log.warning("writing %s failed: %s", partial, pipe.error)
+            else:
+                f.offset = received  # all written and fsynced; the running hash matches
             if s.closed:
                 self.store.remove_upload(s.id)
-            raise
-        finally:
-            wx.shutdown(wait=False)
-            hx.shutdown(wait=False)
-        f.offset = received
+            if cancelled:
+                raise asyncio.CancelledError
+        if pipe.error is not None:
+            raise ServiceError(
+                ErrorCode.INTERNAL,
+                f"{entry.path!r}: writing to the store failed after {f.offset} bytes: "
+                f"{pipe.error}; resume from Upload-Offset",
+                headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
+            )
         if received != entry.size:
             self.metrics.verification_failures.labels("size").inc()
             self._reset(s, f)
