@@ -364,3 +364,147 @@ def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
         assert blob.read_bytes() == data
 
     run(go())
+
+
+# --- 4./5. no orphaned blobs, no blob collected under a commit ---------------------------------
+
+
+def test_discarded_session_collects_blobs_it_found_present(node):
+    f1 = {"adapter_config.json": CFG, "adapter_model.safetensors": b"W1" * 50}
+    f2 = {"adapter_config.json": CFG, "adapter_model.safetensors": b"W2" * 50}
+
+    async def go():
+        await node.publish(f1)
+        s = node.uploads.open(manifest("foo", 2, f2), node.svc.check_version)
+        assert s.present == ["adapter_config.json"]
+        await node.svc.unload("foo", 1)
+        assert node.blobs() == {hashlib.sha256(CFG).hexdigest()}  # kept for the session
+        node.uploads.close(s.upload_id, keep_blobs=False)  # discard or reap
+        assert node.blobs() == set()
+
+    run(go())
+
+
+def test_discard_during_commit_keeps_the_committing_blobs(node, monkeypatch):
+    fa = {"adapter_config.json": CFG, "adapter_model.safetensors": b"A" * 64}
+    fb = {"adapter_config.json": CFG, "adapter_model.safetensors": b"B" * 64}
+    real = node.store.assemble
+
+    def slow(*a, **k):
+        time.sleep(0.2)
+        return real(*a, **k)
+
+    monkeypatch.setattr(node.store, "assemble", slow)
+
+    async def go():
+        sa = node.uploads.open(manifest("a", 1, fa), node.svc.check_version)
+        await node.put(sa.upload_id, "adapter_config.json", CFG)
+        sb = node.uploads.open(manifest("b", 1, fb), node.svc.check_version)
+        assert sb.present == ["adapter_config.json"]
+        await node.put(sb.upload_id, "adapter_model.safetensors", fb["adapter_model.safetensors"])
+        t = asyncio.create_task(node.svc.commit(sb.upload_id))
+        await asyncio.sleep(0.05)
+        node.uploads.close(sa.upload_id, keep_blobs=False)  # a's discard meanwhile
+        rec = await t
+        assert (Path(rec.path) / "adapter_config.json").read_bytes() == CFG
+
+    run(go())
+
+
+def test_register_pins_blobs_it_found_present(node, monkeypatch, tmp_path):
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": b"R" * 64}
+    src = tmp_path / "shared" / "r"
+    src.mkdir(parents=True)
+    for p, b in files.items():
+        (src / p).write_bytes(b)
+    node.svc.allow = [(tmp_path / "shared").resolve()]
+    real = node.store.assemble
+
+    def slow(*a, **k):
+        time.sleep(0.2)
+        return real(*a, **k)
+
+    async def go():
+        await node.publish(files, name="old")  # the blobs are present, linked by old v1 only
+        monkeypatch.setattr(node.store, "assemble", slow)
+        t = asyncio.create_task(node.svc.register(manifest("new", 1, files), str(src)))
+        await asyncio.sleep(0.05)
+        await node.svc.unload("old", 1)
+        rec = await t
+        assert (Path(rec.path) / "adapter_model.safetensors").read_bytes() == b"R" * 64
+
+    run(go())
+
+
+def test_startup_sweeps_orphans(tmp_path):
+    from lorafleet.agent.app import AgentConfig, Runtime
+
+    data = tmp_path / "d"
+    store = Store(data)
+    db = StateDB(data / "state.db")
+    blob_kept = store.blob_path("a" * 64)
+    blob_kept.write_bytes(b"kept")
+    kept = store.adapter_dir("keep", 1)
+    kept.mkdir(parents=True)
+    os.link(blob_kept, kept / "adapter_model.safetensors")
+    m = manifest("keep", 1, {"adapter_config.json": CFG})
+    from lorafleet.agent.state import StoredAdapter
+    from lorafleet.protocol.agent import AdapterRecord
+
+    rec = AdapterRecord(
+        name="keep",
+        version=1,
+        digest=m.digest,
+        engine_name="keep@v1",
+        mode="versioned",
+        state=AdapterState.STAGED,
+        path=str(kept),
+    )
+    db.put(StoredAdapter(rec, m))
+    db.close()
+    store.blob_path("b" * 64).write_bytes(b"orphan")
+    (store.adapters / "keep" / ".2.tmp-1234abcd").mkdir()
+    orphan_dir = store.adapter_dir("gone", 3)
+    orphan_dir.mkdir(parents=True)
+    store.blob_path("c" * 64).write_bytes(b"linked by the orphan dir")
+    os.link(store.blob_path("c" * 64), orphan_dir / "adapter_model.safetensors")
+
+    cfg = AgentConfig(
+        engine="reference",
+        engine_url="http://127.0.0.1:9",
+        data_dir=str(data),
+        token=None,
+        replica_id="r0",
+    )
+    rt = Runtime(cfg)
+    rt.db.close()
+    assert {p.name for p in store.blobs.iterdir()} == {"a" * 64}
+    assert sorted(p.name for p in (store.adapters / "keep").iterdir()) == ["1"]
+    assert not (store.adapters / "gone").exists()
+
+
+def test_unexpected_error_is_an_enveloped_500(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from lorafleet.agent.app import AgentConfig, create_app
+
+    cfg = AgentConfig(
+        engine="reference",
+        engine_url="http://127.0.0.1:9",
+        data_dir=str(tmp_path / "d"),
+        token=None,
+        replica_id="r0",
+    )
+    app = create_app(cfg)
+    rt = app.state.runtime
+
+    def boom():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rt.service, "list", boom)
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.get("/v1/adapters")
+    assert r.status_code == 500
+    assert r.headers["x-lorafleet-error-code"] == "internal_error"
+    assert r.json()["error"]["code"] == "internal_error"
+    rt.db.close()

@@ -119,13 +119,16 @@ class AdapterService:
                     ErrorCode.UPLOAD_INCOMPLETE,
                     f"upload {upload_id} is missing {sorted(set(pending + lost))}",
                 )
-            # The session ends here whatever happens; on failure the blobs it added go too.
-            added = set(s.added_blobs)
-            self.uploads.close(upload_id, keep_blobs=True)
+            # The session ends here whatever happens; its blobs stay pinned until staging has
+            # linked them (a discard of another session sharing them must not take them), and
+            # on failure they go unless something else uses them.
+            shas = {f.sha256 for f in m.files}
             try:
-                return await self._stage(m)
+                with self.uploads.pinned(shas):
+                    self.uploads.close(upload_id, keep_blobs=True)
+                    return await self._stage(m)
             except BaseException:
-                self.uploads.gc_blobs(added)
+                self.uploads.gc_blobs(shas)
                 raise
 
     async def register(self, manifest: Manifest, path: str) -> AdapterRecord:
@@ -159,33 +162,31 @@ class AdapterService:
                     ErrorCode.QUOTA_EXCEEDED,
                     f"registering {manifest.name!r} needs {needed} bytes, {available} available",
                 )
-            added: set[str] = set()
+            # Pinned from here until staged: blobs found present must not be collected by a
+            # concurrent unload or discard before the adapter directory links them.
+            shas = {f.sha256 for f in manifest.files}
             try:
-                for f in manifest.files:
-                    file_src = src / f.path
-                    if not file_src.resolve().is_relative_to(src):
-                        raise ServiceError(
-                            ErrorCode.PATH_NOT_ALLOWED, f"{f.path!r} is a symlink out"
-                        )
-                    if await asyncio.to_thread(self.store.ingest_file, file_src, f.size, f.sha256):
-                        added.add(f.sha256)
-            except FileNotFoundError as exc:
-                self.uploads.gc_blobs(added)
-                raise ServiceError(ErrorCode.INVALID_REQUEST, f"missing file: {exc}") from None
-            except (SizeMismatch, DigestMismatch) as exc:
-                self.uploads.gc_blobs(added)
-                kind = "size" if isinstance(exc, SizeMismatch) else "digest"
-                self.metrics.verification_failures.labels(kind).inc()
-                code = ErrorCode.SIZE_MISMATCH if kind == "size" else ErrorCode.DIGEST_MISMATCH
-                raise ServiceError(code, str(exc)) from None
+                with self.uploads.pinned(shas):
+                    await self._ingest(manifest, src)
+                    return await self._stage(manifest)
             except BaseException:
-                self.uploads.gc_blobs(added)
+                self.uploads.gc_blobs(shas)
                 raise
-            try:
-                return await self._stage(manifest)
-            except BaseException:
-                self.uploads.gc_blobs(added)
-                raise
+
+    async def _ingest(self, manifest: Manifest, src: Path) -> None:
+        try:
+            for f in manifest.files:
+                file_src = src / f.path
+                if not file_src.resolve().is_relative_to(src):
+                    raise ServiceError(ErrorCode.PATH_NOT_ALLOWED, f"{f.path!r} is a symlink out")
+                await asyncio.to_thread(self.store.ingest_file, file_src, f.size, f.sha256)
+        except FileNotFoundError as exc:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"missing file: {exc}") from None
+        except (SizeMismatch, DigestMismatch) as exc:
+            kind = "size" if isinstance(exc, SizeMismatch) else "digest"
+            self.metrics.verification_failures.labels(kind).inc()
+            code = ErrorCode.SIZE_MISMATCH if kind == "size" else ErrorCode.DIGEST_MISMATCH
+            raise ServiceError(code, str(exc)) from None
 
     async def _stage(self, m: Manifest) -> AdapterRecord:
         """Assemble adapters/<name>/<version> from blobs, validate it, record it as staged."""

@@ -84,6 +84,9 @@ class Runtime:
         if removed:
             log.info("removed %d stale staging entries", removed)
         self.db = StateDB(self.store.root / "state.db")
+        swept = self.store.sweep({(i.record.name, i.record.version) for i in self.db.all()})
+        if swept:
+            log.info("removed %d orphaned adapter directories and blobs", swept)
         self.uploads = UploadManager(self.store, cfg.limits, self.metrics)
         self.backend: EngineBackend = make_backend(
             cfg.engine,

@@ -177,6 +177,38 @@ class Store:
             d.parent.rmdir()  # only succeeds once the name has no versions left
         return [sha for sha in shas if self.remove_blob_if_unused(sha)]
 
+    def sweep(self, known: set[tuple[str, int]]) -> int:
+        """At startup (no session open): remove what no record accounts for; return how many.
+
+        Leftover ``adapters/<name>/.<version>.tmp-*`` directories of an interrupted assemble,
+        adapter directories with no row in the state DB (a crash between writing one and the
+        other; none was ever loaded, or it was unloaded already), then every blob no adapter
+        directory links to (link count 1).
+        """
+        n = 0
+        for name_dir in list(self.adapters.iterdir()):
+            if not name_dir.is_dir() or name_dir.is_symlink():
+                continue
+            for d in list(name_dir.iterdir()):
+                tmp = d.name.startswith(".") and ".tmp-" in d.name
+                orphan = not tmp and (
+                    not d.name.isdigit() or (name_dir.name, int(d.name)) not in known
+                )
+                if tmp or orphan:
+                    if d.is_dir() and not d.is_symlink():
+                        shutil.rmtree(d, ignore_errors=True)
+                    else:
+                        d.unlink(missing_ok=True)
+                    n += 1
+            with contextlib.suppress(OSError):
+                name_dir.rmdir()
+        for blob in list(self.blobs.iterdir()):
+            with contextlib.suppress(OSError):
+                if blob.lstat().st_nlink <= 1:
+                    blob.unlink()
+                    n += 1
+        return n
+
     def usage(self) -> int:
         """Bytes the store holds: blobs (adapter dirs are links to them) plus staging."""
         return self.blob_bytes() + self.staging_bytes()

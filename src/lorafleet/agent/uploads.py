@@ -19,8 +19,8 @@ import logging
 import os
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -216,6 +216,21 @@ class UploadManager:
         self.limits = limits
         self.metrics = metrics
         self.sessions: dict[str, _Session] = {}
+        self.pins: Counter[str] = Counter()
+        """Blobs a commit or register is about to link: never collected meanwhile."""
+
+    @contextlib.contextmanager
+    def pinned(self, shas: Iterable[str]) -> Iterator[None]:
+        """Keep ``shas`` from ``gc_blobs`` for the duration (nested pins add up)."""
+        shas = list(shas)
+        self.pins.update(shas)
+        try:
+            yield
+        finally:
+            self.pins.subtract(shas)
+            for sha in shas:
+                if self.pins[sha] <= 0:
+                    del self.pins[sha]
 
     # --- open ------------------------------------------------------------------------------
 
@@ -514,13 +529,15 @@ class UploadManager:
                 f.task.cancel()
         self.store.remove_upload(upload_id)
         if not keep_blobs:
-            self.gc_blobs(s.added_blobs)
+            # Every file of the manifest, not only those this session added: a blob that was
+            # present at open may have lost its last adapter since (it stayed for this session).
+            self.gc_blobs({f.sha256 for f in s.manifest.files})
 
-    def gc_blobs(self, shas: set[str] | list[str]) -> None:
-        """Remove blobs no adapter links to and no open session expects."""
+    def gc_blobs(self, shas: Iterable[str]) -> None:
+        """Remove blobs no adapter links to, no open session expects and nobody pinned."""
         wanted = {f.sha256 for s in self.sessions.values() for f in s.manifest.files}
         for sha in shas:
-            if sha not in wanted:
+            if sha not in wanted and sha not in self.pins:
                 self.store.remove_blob_if_unused(sha)
 
     def reap(self) -> int:
