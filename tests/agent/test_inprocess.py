@@ -508,3 +508,45 @@ def test_unexpected_error_is_an_enveloped_500(tmp_path, monkeypatch):
     assert r.headers["x-lorafleet-error-code"] == "internal_error"
     assert r.json()["error"]["code"] == "internal_error"
     rt.db.close()
+
+
+# --- 6. a refused reinstall keeps the desired state and the agent not ready ---------------------
+
+
+def test_reconciler_keeps_desired_state_and_retries(node):
+    from lorafleet.agent.reconcile import Reconciler
+
+    files = {"adapter_config.json": CFG, "adapter_model.safetensors": b"W1" * 50}
+    loads = {"n": 0}
+    real_load = node.engine.load
+
+    async def counting_load(name, path, *, replace=False):
+        loads["n"] += 1
+        return await real_load(name, path, replace=replace)
+
+    async def go():
+        await node.publish(files)
+        await node.svc.load("foo", 1, "versioned")
+        await node.svc.activate("foo", 1)
+        node.engine.held.clear()  # the engine restarted
+        node.engine.refuse = "out of memory"  # and refuses the reinstall for a while
+        node.engine.load = counting_load
+        rec = Reconciler(node.svc, interval=0.01)
+        await rec.run_once()
+        r = node.db.get("foo", 1).record
+        assert r.state == AdapterState.ACTIVE and "out of memory" in (r.error or "")
+        assert not rec.ready and "out of memory" in (rec.detail or "")
+        await rec.run_once()  # backing off: no second load right away
+        assert loads["n"] == 1 and not rec.ready
+        node.engine.refuse = None
+        await asyncio.sleep(0.05)
+        for _ in range(10):
+            await rec.run_once()
+            if rec.ready:
+                break
+            await asyncio.sleep(0.05)
+        assert rec.ready and "foo@v1" in node.engine.held
+        r = node.db.get("foo", 1).record
+        assert r.state == AdapterState.ACTIVE and r.error is None
+
+    run(go())

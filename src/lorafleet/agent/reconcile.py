@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from lorafleet.agent.adapters import AdapterService
 from lorafleet.agent.backends import EngineRejected, EngineUnavailable
@@ -31,6 +32,9 @@ class Reconciler:
         """True until a pass found the engine holding every desired adapter."""
         self.detail: str | None = "starting"
         self._task: asyncio.Task | None = None
+        self.max_backoff = 30.0
+        self._retry: dict[tuple[str, int], tuple[int, float, str]] = {}
+        """(name, version) -> (failures, monotonic time of the next try, the engine's error)."""
 
     @property
     def ready(self) -> bool:
@@ -66,23 +70,47 @@ class Reconciler:
             self.detail = str(exc)
             return
         self.engine_reachable = True
-        todo = [i for i in svc.db.all() if i.record.state in _DESIRED and not _held(i, held)]
+        desired = [i for i in svc.db.all() if i.record.state in _DESIRED]
+        keys = {(i.record.name, i.record.version) for i in desired}
+        for key in list(self._retry):
+            if key not in keys:
+                del self._retry[key]  # unloaded or replaced meanwhile
+        todo = [i for i in desired if not _held(i, held)]
         if not todo:
+            self._retry.clear()
             self.pending = False
             self.detail = None
             return
         self.pending = True
         self.detail = f"reinstalling {len(todo)} adapter(s)"
+        now = time.monotonic()
         for item in todo:
-            await self._reinstall(item)
+            key = (item.record.name, item.record.version)
+            if key in self._retry and self._retry[key][1] > now:
+                continue  # backing off
+            try:
+                await self._reinstall(item)
+            except EngineUnavailable as exc:
+                self.engine_reachable = False
+                self.detail = str(exc)
+                return
         # Ready only once a fresh listing confirms it (next pass, or right now).
         try:
             held = await svc.backend.list_adapters()
         except EngineUnavailable:
             return
-        if all(_held(i, held) for i in svc.db.all() if i.record.state in _DESIRED):
+        missing = [i for i in svc.db.all() if i.record.state in _DESIRED and not _held(i, held)]
+        if not missing:
             self.pending = False
             self.detail = None
+            return
+        failing = [
+            f"{r.engine_name}: {self._retry[(r.name, r.version)][2]}"
+            for r in (i.record for i in missing)
+            if (r.name, r.version) in self._retry
+        ]
+        if failing:
+            self.detail = "engine refuses to reinstall " + "; ".join(failing) + " (retrying)"
 
     async def _reinstall(self, item: StoredAdapter) -> None:
         svc = self.service
@@ -94,14 +122,30 @@ class Reconciler:
             r = cur.record
             held = await svc.backend.list_adapters()
             if _held(cur, held):
+                self._retry.pop((name, version), None)
                 return
             try:
                 await svc.backend.load(r.engine_name, r.path, replace=r.engine_name in held)
             except EngineRejected as exc:
-                log.error("engine refused to reinstall %s: %s", r.engine_name, exc)
-                failed = r.model_copy(update={"state": AdapterState.FAILED, "error": str(exc)})
-                svc.db.put(StoredAdapter(failed, cur.manifest))
+                # Keep the desired state: the engine should hold it, and the agent stays not
+                # ready until it does. The error is recorded and the load retried with backoff.
+                n = self._retry.get((name, version), (0, 0.0, ""))[0] + 1
+                delay = min(self.max_backoff, self.interval * 2 ** min(n, 16))
+                self._retry[(name, version)] = (n, time.monotonic() + delay, str(exc))
+                log.error(
+                    "engine refused to reinstall %s (attempt %d, next in %.1fs): %s",
+                    r.engine_name,
+                    n,
+                    delay,
+                    exc,
+                )
+                err = f"reinstall refused: {exc}"
+                if r.error != err:
+                    svc.db.put(StoredAdapter(r.model_copy(update={"error": err}), cur.manifest))
                 return
+            self._retry.pop((name, version), None)
+            if r.error is not None:
+                svc.db.put(StoredAdapter(r.model_copy(update={"error": None}), cur.manifest))
             svc.metrics.reconciliations.inc()
             log.info("reinstalled %s from %s", r.engine_name, r.path)
 
