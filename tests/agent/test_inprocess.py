@@ -550,3 +550,42 @@ def test_reconciler_keeps_desired_state_and_retries(node):
         assert r.state == AdapterState.ACTIVE and r.error is None
 
     run(go())
+
+
+# --- 8. no walk of the blob store per request ---------------------------------------------------
+
+
+def test_blob_bytes_is_counted_not_walked(tmp_path, monkeypatch):
+    import lorafleet.agent.store as store_mod
+
+    monkeypatch.setattr(adapters_mod, "validate_adapter_dir", lambda *a, **k: _Valid())
+    node = Node(tmp_path / "data", quota_bytes=1 << 20)
+    walks = {"n": 0}
+    real = store_mod._tree_bytes
+
+    def counting(root):
+        if root == node.store.blobs:
+            walks["n"] += 1
+        return real(root)
+
+    monkeypatch.setattr(store_mod, "_tree_bytes", counting)
+
+    def actual() -> int:
+        return sum(p.stat().st_size for p in node.store.blobs.iterdir())
+
+    async def go():
+        for v in range(1, 4):
+            files = {"adapter_config.json": CFG, "adapter_model.safetensors": bytes([v]) * 100}
+            await node.publish(files, version=v)
+            assert node.store.blob_bytes() == actual()
+        await node.svc.unload("foo", 1)
+        s = node.uploads.open(
+            manifest("foo", 9, {"adapter_config.json": CFG, "adapter_model.bin": b"n" * 10}),
+            node.svc.check_version,
+        )
+        node.uploads.close(s.upload_id, keep_blobs=False)
+        assert node.store.blob_bytes() == actual()
+
+    run(go())
+    assert walks["n"] <= 1
+    node.db.close()

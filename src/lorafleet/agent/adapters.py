@@ -125,7 +125,7 @@ class AdapterService:
             shas = {f.sha256 for f in m.files}
             try:
                 with self.uploads.pinned(shas):
-                    self.uploads.close(upload_id, keep_blobs=True)
+                    await self.uploads.aclose(upload_id, keep_blobs=True)
                     return await self._stage(m)
             except BaseException:
                 self.uploads.gc_blobs(shas)
@@ -222,7 +222,7 @@ class AdapterService:
             path=str(path),
         )
         self.db.put(StoredAdapter(rec, m))
-        self._update_usage()
+        await self._update_usage()
         return rec
 
     # --- engine operations -----------------------------------------------------------------
@@ -340,7 +340,7 @@ class AdapterService:
             shas = item.shas
             await asyncio.to_thread(self.store.remove_adapter_dir, name, version, [])
             self.uploads.gc_blobs(shas)
-            self._update_usage()
+            await self._update_usage()
             return rec.model_copy(update={"state": AdapterState.STAGED})
 
     def _engine_names(self, item: StoredAdapter) -> list[str]:
@@ -367,6 +367,6 @@ class AdapterService:
     def list(self) -> list[AdapterRecord]:
         return [i.record for i in self.db.all()]
 
-    def _update_usage(self) -> None:
+    async def _update_usage(self) -> None:
         with contextlib.suppress(OSError):
-            self.metrics.store_bytes.set(self.store.usage())
+            self.metrics.store_bytes.set(await asyncio.to_thread(self.store.usage))

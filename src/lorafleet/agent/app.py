@@ -87,6 +87,7 @@ class Runtime:
         swept = self.store.sweep({(i.record.name, i.record.version) for i in self.db.all()})
         if swept:
             log.info("removed %d orphaned adapter directories and blobs", swept)
+        self.store.blob_bytes()  # count once now; kept up to date from here on
         self.uploads = UploadManager(self.store, cfg.limits, self.metrics)
         self.backend: EngineBackend = make_backend(
             cfg.engine,
@@ -152,7 +153,7 @@ class Runtime:
         while True:
             await asyncio.sleep(period)
             try:
-                self.uploads.reap()
+                await self.uploads.areap()
             except Exception:
                 log.exception("reaping uploads failed")
 
@@ -265,7 +266,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     @app.delete("/v1/uploads/{upload_id}", status_code=204, dependencies=guard)
     async def discard(upload_id: str) -> Response:
         rt.uploads.get(upload_id)
-        rt.uploads.close(upload_id, keep_blobs=False)
+        await rt.uploads.aclose(upload_id, keep_blobs=False)
         return Response(status_code=204)
 
     # --- adapters --------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         with contextlib.suppress(OSError):
-            rt.metrics.store_bytes.set(rt.store.usage())
+            rt.metrics.store_bytes.set(await asyncio.to_thread(rt.store.usage))
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -17,6 +17,7 @@ import errno
 import hashlib
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class Store:
         self.adapters = self.root / "adapters"
         for d in (self.staging, self.blobs, self.adapters):
             d.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._blob_total: int | None = None
+        """Bytes under blobs/, counted once and then kept up to date (no walk per request)."""
 
     # --- staging ---------------------------------------------------------------------------
 
@@ -82,23 +86,35 @@ class Store:
         if dst.exists():
             src.unlink(missing_ok=True)
             return False
+        size = src.stat().st_size
         os.replace(src, dst)
         fsync_dir(self.blobs)
+        self._count(size)
         return True
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            if self._blob_total is not None:
+                self._blob_total += delta
 
     def remove_blob_if_unused(self, sha256: str) -> bool:
         """Delete a blob that no adapter directory links to (link count 1)."""
         p = self.blob_path(sha256)
         try:
-            if p.stat().st_nlink > 1:
+            st = p.stat()
+            if st.st_nlink > 1:
                 return False
             p.unlink()
         except FileNotFoundError:
             return False
+        self._count(-st.st_size)
         return True
 
     def blob_bytes(self) -> int:
-        return _tree_bytes(self.blobs)
+        with self._lock:
+            if self._blob_total is None:
+                self._blob_total = _tree_bytes(self.blobs)
+            return self._blob_total
 
     def ingest_file(self, src: Path, size: int, sha256: str, chunk: int = 8 << 20) -> bool:
         """Copy ``src`` into the blob store while hashing it; return True if a blob was added.
@@ -207,6 +223,8 @@ class Store:
                 if blob.lstat().st_nlink <= 1:
                     blob.unlink()
                     n += 1
+        with self._lock:
+            self._blob_total = None  # recounted on first use
         return n
 
     def usage(self) -> int:

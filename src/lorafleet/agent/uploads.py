@@ -519,15 +519,30 @@ class UploadManager:
     # --- close -----------------------------------------------------------------------------
 
     def close(self, upload_id: str, *, keep_blobs: bool) -> None:
-        """End a session: remove its staging; unless ``keep_blobs``, GC the blobs it added."""
+        """End a session: remove its staging; unless ``keep_blobs``, GC its manifest's blobs."""
+        s = self._detach(upload_id)
+        if s is not None:
+            self.store.remove_upload(upload_id)
+            self._release(s, keep_blobs)
+
+    async def aclose(self, upload_id: str, *, keep_blobs: bool) -> None:
+        """``close``, with the (possibly large) staging removed off the event loop."""
+        s = self._detach(upload_id)
+        if s is not None:
+            await asyncio.to_thread(self.store.remove_upload, upload_id)
+            self._release(s, keep_blobs)
+
+    def _detach(self, upload_id: str) -> _Session | None:
         s = self.sessions.pop(upload_id, None)
         if s is None:
-            return
+            return None
         s.closed = True
         for f in s.files.values():
             if f.task is not None and f.task is not asyncio.current_task():
                 f.task.cancel()
-        self.store.remove_upload(upload_id)
+        return s
+
+    def _release(self, s: _Session, keep_blobs: bool) -> None:
         if not keep_blobs:
             # Every file of the manifest, not only those this session added: a blob that was
             # present at open may have lost its last adapter since (it stayed for this session).
@@ -540,12 +555,24 @@ class UploadManager:
             if sha not in wanted and sha not in self.pins:
                 self.store.remove_blob_if_unused(sha)
 
+    def _stale(self) -> list[str]:
+        now = time.monotonic()
+        return [s.id for s in self.sessions.values() if now - s.last_active > self.limits.ttl_s]
+
     def reap(self) -> int:
         """Close sessions idle past the TTL (cancelling a stalled PUT); return how many."""
-        now = time.monotonic()
-        stale = [s.id for s in self.sessions.values() if now - s.last_active > self.limits.ttl_s]
+        stale = self._stale()
         for sid in stale:
             self.close(sid, keep_blobs=False)
+        if stale:
+            self.metrics.reaped_uploads.inc(len(stale))
+        return len(stale)
+
+    async def areap(self) -> int:
+        """``reap``, removing staging off the event loop."""
+        stale = self._stale()
+        for sid in stale:
+            await self.aclose(sid, keep_blobs=False)
         if stale:
             self.metrics.reaped_uploads.inc(len(stale))
         return len(stale)
