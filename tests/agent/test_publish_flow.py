@@ -310,3 +310,33 @@ def test_info_health_metrics_openapi_are_open(agent):
     names = {p["name"] for p in put["parameters"]}
     assert {"Upload-Offset", "Repr-Digest", "Content-Digest"} <= names
     assert "application/octet-stream" in put["requestBody"]["content"]
+
+
+def test_reopening_the_same_manifest_returns_its_session(agent, peft_dir, peft_dir2):
+    """A publisher that lost the answer to its open gets the same session back; another bundle
+    for the same name is still refused while it is open."""
+    from lorafleet.errors import RemoteError
+
+    bundle = AdapterBundle.from_dir(peft_dir, name="reopen", version=1)
+    other = AdapterBundle.from_dir(peft_dir2, name="reopen", version=1)
+
+    async def go(c):
+        first = await c.open_upload(bundle.manifest)
+        entry = bundle.manifest.file("adapter_config.json")
+        await c.upload_file(first.upload_id, entry, _source(bundle, entry.path))
+        again = await c.open_upload(bundle.manifest)
+        try:
+            await c.open_upload(other.manifest)
+            refused = None
+        except RemoteError as exc:
+            refused = exc
+        await c.discard(again.upload_id)
+        return first, again, refused
+
+    first, again, refused = call(agent, go)
+    assert again.upload_id == first.upload_id
+    assert again.present == ["adapter_config.json"]
+    assert again.missing == ["adapter_model.safetensors"]
+    assert refused is not None and refused.status == 409
+    assert refused.code == "publish_in_progress"
+    assert snapshot(agent.data_dir)["staging_bytes"] == 0

@@ -175,7 +175,10 @@ def test_unknown_adapter_and_upload(unchanged):
 
 def test_commit_incomplete_and_publish_in_progress(unchanged):
     uid = _session(unchanged)
-    _expect(_open(unchanged, _manifest(files=[WEIGHTS])), 409, "publish_in_progress")
+    # another bundle for the same name while the session is open: refused
+    _expect(_open(unchanged, _manifest(version=2, files=[WEIGHTS])), 409, "publish_in_progress")
+    # the same bundle again is the same session (a lost answer to the first open)
+    assert _open(unchanged, _manifest(files=[WEIGHTS])).json()["upload_id"] == uid
     r = httpx.post(f"{unchanged.url}/v1/uploads/{uid}/commit", headers=auth(unchanged))
     _expect(r, 409, "upload_incomplete")
     assert (

@@ -235,7 +235,10 @@ class UploadManager:
     # --- open ------------------------------------------------------------------------------
 
     def open(self, manifest: Manifest, check_version: Callable[[Manifest], None]) -> UploadSession:
-        """Refuse at once what can be refused from the manifest; else open a session."""
+        """Refuse at once what can be refused from the manifest; else open a session.
+
+        Idempotent: the same manifest (by digest) while its session is open returns that session.
+        """
         for f in manifest.files:
             try:
                 check_file_path(f.path)
@@ -251,6 +254,17 @@ class UploadManager:
                     param=f.path,
                 )
         for s in self.sessions.values():
+            if s.manifest.name == manifest.name and s.manifest.digest == manifest.digest:
+                # The same bundle again: a publisher whose answer to the first open was lost
+                # (a timeout, a cancelled call) gets its session back, to resume or discard it.
+                s.touch()
+                done = [p for p, f in s.files.items() if f.complete]
+                return UploadSession(
+                    upload_id=s.id,
+                    missing=[p for p in s.files if p not in done],
+                    present=done,
+                    expires_in_s=self.limits.ttl_s,
+                )
             if s.manifest.name == manifest.name:
                 raise ServiceError(
                     ErrorCode.PUBLISH_IN_PROGRESS,

@@ -387,6 +387,11 @@ class AsyncPublisher:
         name, version, digest = plan.bundle.name, plan.bundle.version, plan.bundle.digest
 
         async def one(rep: _Replica) -> None:
+            if rep.upload_id is None and rep.touched and plan.transfer == "remote_upload":
+                # The answer to our open may have been lost (cancelled or timed out in flight):
+                # opening the same manifest again returns that session, if there is one.
+                with contextlib.suppress(LorafleetError):
+                    rep.upload_id = (await rep.client.open_upload(plan.bundle.manifest)).upload_id
             if rep.upload_id:
                 try:
                     await rep.client.discard(rep.upload_id)
