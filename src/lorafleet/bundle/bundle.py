@@ -157,6 +157,8 @@ class AdapterBundle:
         tensor_shapes: Mapping[str, list[int]] | None = None,
         source_dir: Path | None = None,
     ) -> AdapterBundle:
+        # The PEFT config names the base model when the caller does not.
+        base_model = base_model or config.get("base_model_name_or_path")
         entries = tuple(
             FileEntry(path=p, sha256=digests[p][0], size=digests[p][1]) for p in sorted(sources)
         )
@@ -214,11 +216,10 @@ class AdapterBundle:
             blob = _config_bytes(config)
             sources[ADAPTER_CONFIG] = blob
             digests[ADAPTER_CONFIG] = (sha256_bytes(blob), len(blob))
-        base = base_model or config.get("base_model_name_or_path")
         return cls._build(
             name=name,
             version=version,
-            base_model=base,
+            base_model=base_model,
             config=config,
             sources=sources,
             digests=digests,
@@ -260,11 +261,10 @@ class AdapterBundle:
             SAFETENSORS: (sha256_bytes(blob), len(blob)),
             ADAPTER_CONFIG: (sha256_bytes(cfg_blob), len(cfg_blob)),
         }
-        base = base_model or config.get("base_model_name_or_path")
         return cls._build(
             name=name,
             version=version,
-            base_model=base,
+            base_model=base_model,
             config=config,
             sources=sources,
             digests=digests,
