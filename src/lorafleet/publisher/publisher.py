@@ -554,10 +554,18 @@ class AsyncPublisher:
             if plan.mode == "in_place"
             else "no version was active"
         )
+        replicas = {r.id for r in self._replicas}
+        failed = sum(1 for k in plan.failures if k in replicas)
+        where = (
+            f"on {failed} of {len(replicas)} replica(s)"
+            if failed
+            else "at the router's alias flip"
+            if "router" in plan.failures
+            else "in the publisher"
+        )
         return (
-            f"publication of {b.name!r} v{b.version} ({plan.mode}) failed on "
-            f"{len(plan.failures)} of {len(self._replicas)} replica(s); it was rolled back and "
-            f"{kept}"
+            f"publication of {b.name!r} v{b.version} ({plan.mode}) failed {where}; it was rolled "
+            f"back and {kept}"
         )
 
 
