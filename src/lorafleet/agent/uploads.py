@@ -492,32 +492,24 @@ class UploadManager:
                 f"{pipe.error}; resume from Upload-Offset",
                 headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
             )
+
+        def refuse(kind: str, message: str) -> ServiceError:
+            # Nothing of a file that failed verification stays behind.
+            self.metrics.verification_failures.labels(kind).inc()
+            self._reset(s, f)
+            code = ErrorCode.SIZE_MISMATCH if kind == "size" else ErrorCode.DIGEST_MISMATCH
+            return ServiceError(code, f"{entry.path!r}: {message}", param=entry.path)
+
         if received != entry.size:
-            self.metrics.verification_failures.labels("size").inc()
-            self._reset(s, f)
-            raise ServiceError(
-                ErrorCode.SIZE_MISMATCH,
-                f"{entry.path!r}: declared {entry.size} bytes, received {received}",
-                param=entry.path,
-            )
+            raise refuse("size", f"declared {entry.size} bytes, received {received}")
         if chash is not None and chash.hexdigest() != chunk_want:
-            self.metrics.verification_failures.labels("digest").inc()
-            self._reset(s, f)
-            raise ServiceError(
-                ErrorCode.DIGEST_MISMATCH,
-                f"{entry.path!r}: Content-Digest sha256 {chunk_want}, body hashed to "
-                f"{chash.hexdigest()}",
-                param=entry.path,
+            raise refuse(
+                "digest",
+                f"Content-Digest sha256 {chunk_want}, body hashed to {chash.hexdigest()}",
             )
         actual = hasher.hexdigest()
         if actual != entry.sha256:
-            self.metrics.verification_failures.labels("digest").inc()
-            self._reset(s, f)
-            raise ServiceError(
-                ErrorCode.DIGEST_MISMATCH,
-                f"{entry.path!r}: declared sha256 {entry.sha256}, received {actual}",
-                param=entry.path,
-            )
+            raise refuse("digest", f"declared sha256 {entry.sha256}, received {actual}")
         if self.store.adopt_blob(partial, entry.sha256):
             s.added_blobs.add(entry.sha256)
         f.complete = True

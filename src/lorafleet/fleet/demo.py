@@ -52,6 +52,22 @@ class StepRecord:
     trainer_output: str | None = None
 
 
+def _measure(router, trainer, step: int, phase: str, loss, result, publish_s: float) -> StepRecord:
+    """Greedy answer through the router right after a publish, scored against the target."""
+    output, served = router.complete(ADAPTER)
+    return StepRecord(
+        step=step,
+        phase=phase,
+        loss=loss,
+        version=result.version,
+        publish_s=publish_s,
+        reward=reward(output),
+        output=output,
+        served_version=served,
+        trainer_output=_clean(trainer.greedy()),
+    )
+
+
 @dataclass
 class DemoSummary:
     ok: bool
@@ -290,21 +306,9 @@ def _run(console: Any, *, steps: int, resume: bool, root: Path, t0: float) -> De
                 t = time.perf_counter()
                 result = publisher.publish(trainer.model, name=ADAPTER, mode="atomic")
                 publish_s = time.perf_counter() - t
-                output, served = router.complete(ADAPTER)
-                records.append(
-                    StepRecord(
-                        step=step,
-                        phase="train",
-                        loss=loss,
-                        version=result.version,
-                        publish_s=publish_s,
-                        reward=reward(output),
-                        output=output,
-                        served_version=served,
-                        trainer_output=_clean(trainer.greedy()),
-                    )
-                )
+                records.append(_measure(router, trainer, step, "train", loss, result, publish_s))
                 view.add(records[-1])
+                served = records[-1].served_version
                 if served != result.version:
                     failures.append(f"step {step}: published v{result.version}, served v{served}")
                 if kill_after is None:
@@ -387,18 +391,8 @@ def _crash_and_restore(
             config=trainer.config_dict(),
         )
         publish_s = time.perf_counter() - t
-    output, served = router.complete(ADAPTER)
-    record = StepRecord(
-        step=trainer.step,
-        phase="restore",
-        loss=None,
-        version=result.version,
-        publish_s=publish_s,
-        reward=reward(output),
-        output=output,
-        served_version=served,
-        trainer_output=_clean(trainer.greedy()),
-    )
+    record = _measure(router, trainer, trainer.step, "restore", None, result, publish_s)
+    served = record.served_version
     records.append(record)
     view.add(record)
     restored = (
