@@ -6,7 +6,6 @@ envelope with the ``X-Lorafleet-Error-Code`` header. Nothing here knows about a 
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lorafleet._auth import check_bearer
 from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorCode, error_body
 
 __all__ = [
@@ -100,15 +100,14 @@ def require_token(request: Request, expected: str | None) -> None:
     """
     if expected is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if not header or scheme.lower() != "bearer" or not token:
+    verdict = check_bearer(request.headers.get("authorization"), expected)
+    if verdict == "missing":
         raise ServiceError(
             ErrorCode.UNAUTHORIZED,
             "missing control token: send 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+    if verdict == "invalid":
         raise ServiceError(ErrorCode.FORBIDDEN, "invalid control token")
 
 

@@ -6,7 +6,6 @@ and back; model work happens on the runtime's worker thread, never on the event 
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 import uuid
@@ -25,6 +24,7 @@ from prometheus_client import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lorafleet._auth import check_bearer
 from lorafleet.engine._errors import EngineError, error_body
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime, TokenEvent
 from lorafleet.engine.protocol import (
@@ -123,10 +123,13 @@ def create_app(runtime: Runtime, *, api_key: str | None = None) -> FastAPI:
             "/load_lora_adapter",
             "/unload_lora_adapter",
         )
-        if api_key is not None and guarded and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        if (
+            api_key is not None
+            and guarded
+            and request.method != "OPTIONS"
+            and check_bearer(request.headers.get("authorization"), api_key) != "ok"
+        ):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
 
     # --- helpers ------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import re
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from lorafleet._auth import check_bearer
 from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorCode, error_body
 from lorafleet.protocol.router import TAG_FIELD
 from lorafleet.router.balancer import Balancer, Replica
@@ -175,17 +175,16 @@ class Proxy:
     # --- steps ---------------------------------------------------------------------------------
 
     def _authorize(self, scope) -> None:
-        for k, v in scope["headers"]:
-            if k == b"authorization":
-                scheme, _, tok = v.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(tok.strip(), self._key):
-                    return
-                raise _ClientError(ErrorCode.FORBIDDEN, "invalid API key")
-        raise _ClientError(
-            ErrorCode.UNAUTHORIZED,
-            "missing API key: send 'Authorization: Bearer <key>'",
-            {"WWW-Authenticate": "Bearer"},
-        )
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        verdict = check_bearer(header, self._key)
+        if verdict == "invalid":
+            raise _ClientError(ErrorCode.FORBIDDEN, "invalid API key")
+        if verdict == "missing":
+            raise _ClientError(
+                ErrorCode.UNAUTHORIZED,
+                "missing API key: send 'Authorization: Bearer <key>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
 
     @staticmethod
     async def _read_body(receive) -> bytes:
