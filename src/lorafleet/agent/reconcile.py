@@ -81,8 +81,9 @@ class Reconciler:
             self.pending = False
             self.detail = None
             return
-        self.pending = True
-        self.detail = f"reinstalling {len(todo)} adapter(s)"
+        # Not "pending" yet: a record seen here without its engine name may be one that an
+        # unload is removing right now (engine first, then the record). ``_reinstall`` decides
+        # under the name's lock, where that race cannot happen.
         now = time.monotonic()
         for item in todo:
             key = (item.record.name, item.record.version)
@@ -124,6 +125,8 @@ class Reconciler:
             if _held(cur, held):
                 self._retry.pop((name, version), None)
                 return
+            self.pending = True
+            self.detail = f"reinstalling {r.engine_name}"
             try:
                 await svc.backend.load(r.engine_name, r.path, replace=r.engine_name in held)
             except EngineRejected as exc:
