@@ -1,4 +1,8 @@
-"""Client-side HTTP helpers: turn error responses into ``RemoteError`` in one place."""
+"""Client-side HTTP helpers: error answers become ``ServiceError`` subclasses in one place.
+
+``error_message`` reads the message out of any engine's or service's error body; the agent's
+engine backends use it too, so each answer shape is parsed here once.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +11,58 @@ from collections.abc import Iterator
 
 import httpx
 
-from lorafleet.errors import RemoteError, TransportError
+from lorafleet.errors import TransportError, error_for
 from lorafleet.protocol.errors import ERROR_CODE_HEADER
 
-__all__ = ["bearer", "map_transport_errors", "raise_for_status"]
+__all__ = ["bearer", "error_message", "map_transport_errors", "raise_for_status"]
 
 
 def bearer(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def raise_for_status(response: httpx.Response) -> httpx.Response:
-    """Return ``response`` if it succeeded; raise ``RemoteError`` with its code otherwise.
+def _body(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:
+        return None
 
-    Understands lorafleet's envelope, vLLM's (same shape), SGLang's ``{success, error_message}``
-    and FastAPI's ``{detail}``; anything else is reported as text.
+
+def error_message(response: httpx.Response) -> str:
+    """The message of an error answer.
+
+    Understands lorafleet's envelope and vLLM's (same shape), SGLang's ``{success,
+    error_message}``, FastAPI's ``{detail}`` and ``{message}``; anything else is the text.
     """
+    body = _body(response)
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
+        for key in ("error_message", "detail", "message"):
+            if body.get(key):
+                return str(body[key])
+    return response.text.strip()
+
+
+def raise_for_status(response: httpx.Response) -> httpx.Response:
+    """Return ``response`` if it succeeded; raise the ``ServiceError`` for its code otherwise."""
     if response.is_success:
         return response
     code = response.headers.get(ERROR_CODE_HEADER, "")
-    message = response.text
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict):
-            message = str(err.get("message", message))
-            code = code or str(err.get("code") or err.get("type") or "")
-        elif "error_message" in body:
-            message = str(body["error_message"])
-        elif "detail" in body:
-            message = str(body["detail"])
-        elif "message" in body:
-            message = str(body["message"])
-    raise RemoteError(response.status_code, code or "http_error", message, str(response.url))
+    body = _body(response)
+    if not code and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        code = str(err.get("code") or err.get("type") or "")
+    raise error_for(
+        code or "http_error",
+        error_message(response),
+        status=response.status_code,
+        url=str(response.url),
+        headers=dict(response.headers),
+    )
 
 
 @contextlib.contextmanager

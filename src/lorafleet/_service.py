@@ -1,130 +1,160 @@
-"""Pieces every lorafleet HTTP service shares: the error type, its handler, auth and body caps.
+"""What every lorafleet HTTP service shares: the one error mapper, auth and body caps.
 
-Endpoints raise ``ServiceError(code, message)``; one handler turns it into the protocol's error
-envelope with the ``X-Lorafleet-Error-Code`` header. Nothing here knows about a specific service.
+Service logic raises ``lorafleet.errors.ServiceError`` subclasses; ``error_parts`` turns one into
+status, headers and the protocol's envelope, for FastAPI apps (``install_error_handlers``) and for
+the router's bare-ASGI data plane (``send_error``) alike. Nothing here knows a specific service.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lorafleet._auth import check_bearer
-from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorCode, error_body
+from lorafleet.errors import (
+    BodyTooLarge,
+    Forbidden,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    ServiceError,
+    Unauthorized,
+)
+from lorafleet.protocol.errors import ERROR_CODE_HEADER, error_body
 
 __all__ = [
     "DEFAULT_JSON_LIMIT",
     "JsonBodyLimit",
-    "ServiceError",
+    "check_token",
+    "error_parts",
     "error_response",
     "install_error_handlers",
     "read_json",
     "require_token",
+    "send_error",
 ]
+
+log = logging.getLogger("lorafleet.service")
 
 # Control-plane JSON bodies are small; anything bigger is refused before it is parsed.
 DEFAULT_JSON_LIMIT = 1 << 20
 
 
-class ServiceError(Exception):
-    """An error with a stable protocol code; the handler maps it to status and envelope."""
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.code = code
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-        super().__init__(message)
-
-    @property
-    def status(self) -> int:
-        return STATUS_BY_CODE.get(self.code, 500)
+def error_parts(exc: ServiceError) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, JSON body) of the answer to ``exc``: the one server-side mapper."""
+    status = exc.status
+    headers = {ERROR_CODE_HEADER: exc.code, **exc.headers}
+    if status == 503:
+        headers.setdefault("Retry-After", "1")
+    body = json.dumps(error_body(exc.code, exc.message, exc.param)).encode()
+    return status, headers, body
 
 
-def error_response(
-    code: str, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    status = STATUS_BY_CODE.get(code, 500)
-    hdrs = {ERROR_CODE_HEADER: code, **(headers or {})}
-    if status == 503 and "Retry-After" not in hdrs:
-        hdrs["Retry-After"] = "1"
-    return JSONResponse(error_body(code, message, param), status_code=status, headers=hdrs)
+def error_response(exc: ServiceError) -> Response:
+    status, headers, body = error_parts(exc)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+async def send_error(send: Send, exc: ServiceError) -> None:
+    """Answer ``exc`` on a bare ASGI ``send`` (the router's data plane)."""
+    status, headers, body = error_parts(exc)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _validation_error(exc: RequestValidationError) -> ServiceError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ServiceError):
+        # A model validator refused with a protocol error (a path trick in a FileEntry): keep
+        # its precise code instead of the generic one.
+        return cause
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request"
+    return InvalidRequest(msg, param=loc or None)
+
+
+_HTTP_STATUS_ERRORS: dict[int, type[ServiceError]] = {
+    404: NotFound,
+    401: Unauthorized,
+    403: Forbidden,
+    413: BodyTooLarge,
+}
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every error (ours, FastAPI's validation, Starlette's 404/405) use the envelope."""
+    """Every error (ours, FastAPI's validation, Starlette's 404/405, anything unexpected) is
+    answered in the protocol's envelope."""
 
     @app.exception_handler(ServiceError)
-    async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return error_response(exc.code, exc.message, param=exc.param, headers=exc.headers)
+    async def _service_error(_: Request, exc: ServiceError) -> Response:
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request"
-        return error_response(ErrorCode.INVALID_REQUEST, msg, param=loc or None)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {
-            404: ErrorCode.NOT_FOUND,
-            401: ErrorCode.UNAUTHORIZED,
-            403: ErrorCode.FORBIDDEN,
-            413: ErrorCode.BODY_TOO_LARGE,
-        }.get(exc.status_code, ErrorCode.INVALID_REQUEST)
-        resp = error_response(code, str(exc.detail))
-        resp.status_code = exc.status_code
-        return resp
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        cls = _HTTP_STATUS_ERRORS.get(exc.status_code, InvalidRequest)
+        # The status stays Starlette's own (a 405 is not turned into a 400).
+        return error_response(cls(str(exc.detail), status=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
 
 
-def require_token(request: Request, expected: str | None) -> None:
-    """Refuse the request unless it carries ``Authorization: Bearer <expected>``.
+def check_token(
+    authorization: str | bytes | None, expected: str | None, what: str = "control token"
+) -> None:
+    """Refuse unless ``authorization`` is ``Bearer <expected>``.
 
-    A missing token is 401 and a wrong one is 403. The comparison is constant-time.
+    Raises ``Unauthorized`` (401) for a missing token and ``Forbidden`` (403) for a wrong one.
     ``expected=None`` disables the check (only when the operator configured no token).
     """
     if expected is None:
         return
-    verdict = check_bearer(request.headers.get("authorization"), expected)
+    verdict = check_bearer(authorization, expected)
     if verdict == "missing":
-        raise ServiceError(
-            ErrorCode.UNAUTHORIZED,
-            "missing control token: send 'Authorization: Bearer <token>'",
+        raise Unauthorized(
+            f"missing {what}: send 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
     if verdict == "invalid":
-        raise ServiceError(ErrorCode.FORBIDDEN, "invalid control token")
+        raise Forbidden(f"invalid {what}")
+
+
+def require_token(request: Request, expected: str | None, what: str = "control token") -> None:
+    """``check_token`` on a FastAPI request (use as a dependency)."""
+    check_token(request.headers.get("authorization"), expected, what)
 
 
 async def read_json(request: Request, limit: int = DEFAULT_JSON_LIMIT) -> Any:
     """Read a JSON body of at most ``limit`` bytes; 413 past it, 400 if it is not JSON."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ServiceError(ErrorCode.BODY_TOO_LARGE, f"JSON body over the {limit} byte limit")
+        raise BodyTooLarge(f"JSON body over the {limit} byte limit")
     buf = bytearray()
     async for chunk in request.stream():
         buf += chunk
         if len(buf) > limit:
-            raise ServiceError(ErrorCode.BODY_TOO_LARGE, f"JSON body over the {limit} byte limit")
+            raise BodyTooLarge(f"JSON body over the {limit} byte limit")
     try:
         return json.loads(buf)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
 
 
 class JsonBodyLimit:
@@ -149,7 +179,7 @@ class JsonBodyLimit:
             return
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                await self._refuse(scope, receive, send)
+                await self._refuse(send)
                 return
         body = bytearray()
         more = True
@@ -160,7 +190,7 @@ class JsonBodyLimit:
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
             if len(body) > self.limit:
-                await self._refuse(scope, receive, send)
+                await self._refuse(send)
                 return
         sent = False
 
@@ -173,9 +203,8 @@ class JsonBodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = error_response(
-            ErrorCode.BODY_TOO_LARGE, f"request body over the {self.limit} byte limit"
+    async def _refuse(self, send: Send) -> None:
+        exc = BodyTooLarge(
+            f"request body over the {self.limit} byte limit", headers={"Connection": "close"}
         )
-        resp.headers["Connection"] = "close"
-        await resp(scope, receive, send)
+        await send_error(send, exc)

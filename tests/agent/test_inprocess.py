@@ -16,7 +16,7 @@ import pytest
 
 import lorafleet.agent.adapters as adapters_mod
 import lorafleet.agent.uploads as uploads_mod
-from lorafleet._service import ServiceError
+from lorafleet.errors import ServiceError
 from lorafleet.agent.backends import (
     AdapterMissing,
     EngineRejected,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from lorafleet._service import ServiceError
+from lorafleet.errors import ServiceError
 from lorafleet.protocol.router import AliasEvent
 from lorafleet.router.balancer import Balancer
 from lorafleet.router.consistency import Observation, check, implied_version

@@ -18,7 +18,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from lorafleet._service import ServiceError
 from lorafleet.agent.backends import (
     AdapterMissing,
     EngineBackend,
@@ -30,8 +29,19 @@ from lorafleet.agent.state import StateDB, StoredAdapter
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadManager
 from lorafleet.bundle import config_rank, validate_adapter_dir
-from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest, PathError, check_file_path
-from lorafleet.errors import DigestMismatch, SizeMismatch
+from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest
+from lorafleet.errors import (
+    AdapterConflict,
+    AdapterInvalid,
+    AdapterNotFound,
+    IntegrityError,
+    InvalidRequest,
+    PathNotAllowed,
+    QuotaExceeded,
+    SizeMismatch,
+    UploadIncomplete,
+    VersionConflict,
+)
 from lorafleet.protocol.agent import (
     AdapterRecord,
     AdapterState,
@@ -39,18 +49,10 @@ from lorafleet.protocol.agent import (
     LoadMode,
     engine_name,
 )
-from lorafleet.protocol.errors import ErrorCode
 
 __all__ = ["AdapterService"]
 
 _IN_ENGINE = (AdapterState.LOADED, AdapterState.ACTIVE)
-
-
-def engine_error(exc: Exception) -> ServiceError:
-    """A backend error as the protocol error the agent answers with."""
-    if isinstance(exc, EngineUnavailable):
-        return ServiceError(ErrorCode.ENGINE_UNAVAILABLE, str(exc))
-    return ServiceError(ErrorCode.ENGINE_REJECTED, str(exc))
 
 
 class AdapterService:
@@ -86,23 +88,19 @@ class AdapterService:
             if r.version == manifest.version:
                 if r.digest == manifest.digest:
                     continue  # the same bundle again: idempotent
-                raise ServiceError(
-                    ErrorCode.ADAPTER_CONFLICT,
+                raise AdapterConflict(
                     f"{manifest.name!r} v{manifest.version} already exists with a different "
                     f"digest ({r.digest[:12]}); unload it first",
                 )
             if r.state in _IN_ENGINE and r.version > manifest.version:
-                raise ServiceError(
-                    ErrorCode.VERSION_CONFLICT,
+                raise VersionConflict(
                     f"{manifest.name!r} v{manifest.version} is not newer than loaded v{r.version}",
                 )
 
     def _get(self, name: str, version: int) -> StoredAdapter:
         item = self.db.get(name, version)
         if item is None:
-            raise ServiceError(
-                ErrorCode.ADAPTER_NOT_FOUND, f"no adapter {name!r} v{version} on this replica"
-            )
+            raise AdapterNotFound(f"no adapter {name!r} v{version} on this replica")
         return item
 
     # --- commit / register -----------------------------------------------------------------
@@ -115,8 +113,7 @@ class AdapterService:
             pending = [f.entry.path for f in s.files.values() if not f.complete]
             lost = [f.path for f in m.files if not self.store.has_blob(f.sha256, f.size)]
             if pending or lost:
-                raise ServiceError(
-                    ErrorCode.UPLOAD_INCOMPLETE,
+                raise UploadIncomplete(
                     f"upload {upload_id} is missing {sorted(set(pending + lost))}",
                 )
             # The session ends here whatever happens; its blobs stay pinned until staging has
@@ -133,35 +130,14 @@ class AdapterService:
 
     async def register(self, manifest: Manifest, path: str) -> AdapterRecord:
         """Shared filesystem: verify ``path`` against ``manifest``, ingest into blobs, stage."""
-        for f in manifest.files:
-            try:
-                check_file_path(f.path)
-            except PathError as exc:
-                code = ErrorCode.PATH_ESCAPE if exc.kind == "escape" else ErrorCode.FILE_NOT_ALLOWED
-                raise ServiceError(code, str(exc), param=f.path) from None
-            if f.size > self.uploads.limits.max_file_bytes:
-                raise ServiceError(
-                    ErrorCode.FILE_TOO_LARGE,
-                    f"file {f.path!r} is {f.size} bytes, over the per-file cap of "
-                    f"{self.uploads.limits.max_file_bytes} bytes",
-                )
         src = Path(path).resolve()
         if not self.allow or not any(src == a or a in src.parents for a in self.allow):
-            raise ServiceError(
-                ErrorCode.PATH_NOT_ALLOWED,
+            raise PathNotAllowed(
                 f"{path!r} (resolved {str(src)!r}) is outside the shared-filesystem allow-list",
             )
         async with self.locks[manifest.name]:
             self.check_version(manifest)
-            needed = sum(
-                f.size for f in manifest.files if not self.store.has_blob(f.sha256, f.size)
-            )
-            available = self.uploads.available_bytes()
-            if needed > available:
-                raise ServiceError(
-                    ErrorCode.QUOTA_EXCEEDED,
-                    f"registering {manifest.name!r} needs {needed} bytes, {available} available",
-                )
+            self.uploads.admit(manifest)
             # Pinned from here until staged: blobs found present must not be collected by a
             # concurrent unload or discard before the adapter directory links them.
             shas = {f.sha256 for f in manifest.files}
@@ -178,15 +154,14 @@ class AdapterService:
             for f in manifest.files:
                 file_src = src / f.path
                 if not file_src.resolve().is_relative_to(src):
-                    raise ServiceError(ErrorCode.PATH_NOT_ALLOWED, f"{f.path!r} is a symlink out")
+                    raise PathNotAllowed(f"{f.path!r} is a symlink out")
                 await asyncio.to_thread(self.store.ingest_file, file_src, f.size, f.sha256)
         except FileNotFoundError as exc:
-            raise ServiceError(ErrorCode.INVALID_REQUEST, f"missing file: {exc}") from None
-        except (SizeMismatch, DigestMismatch) as exc:
+            raise InvalidRequest(f"missing file: {exc}") from None
+        except IntegrityError as exc:
             kind = "size" if isinstance(exc, SizeMismatch) else "digest"
             self.metrics.verification_failures.labels(kind).inc()
-            code = ErrorCode.SIZE_MISMATCH if kind == "size" else ErrorCode.DIGEST_MISMATCH
-            raise ServiceError(code, str(exc)) from None
+            raise
 
     async def _stage(self, m: Manifest) -> AdapterRecord:
         """Assemble adapters/<name>/<version> from blobs, validate it, record it as staged."""
@@ -208,9 +183,8 @@ class AdapterService:
             await asyncio.to_thread(shutil.rmtree, path, True)
             with contextlib.suppress(OSError):
                 path.parent.rmdir()
-            raise ServiceError(
-                ErrorCode.ADAPTER_INVALID,
-                f"{m.name!r} v{m.version} is not a loadable adapter: " + "; ".join(report.problems),
+            raise AdapterInvalid(
+                report.problems, f"{m.name!r} v{m.version} is not a loadable adapter"
             )
         rec = AdapterRecord(
             name=m.name,
@@ -235,8 +209,7 @@ class AdapterService:
             if rec.state in _IN_ENGINE and rec.mode == mode:
                 return rec  # idempotent
             if rec.state in _IN_ENGINE:
-                raise ServiceError(
-                    ErrorCode.ADAPTER_CONFLICT,
+                raise AdapterConflict(
                     f"{name!r} v{version} is loaded as {rec.mode}; unload it before loading "
                     f"as {mode}",
                 )
@@ -244,24 +217,22 @@ class AdapterService:
                 i.record.version for i in self.db.by_name(name) if i.record.state in _IN_ENGINE
             ]
             if mode == "in_place" and newer and max(newer) > version:
-                raise ServiceError(
-                    ErrorCode.VERSION_CONFLICT,
+                raise VersionConflict(
                     f"{name!r} v{max(newer)} is loaded; v{version} may not replace it",
                 )
             rank = config_rank(item.manifest.config)
             if rank is not None and self.caps.max_lora_rank and rank > self.caps.max_lora_rank:
-                raise ServiceError(
-                    ErrorCode.ADAPTER_INVALID,
-                    f"{name!r} v{version} has LoRA rank {rank}, over the engine's max_lora_rank "
-                    f"{self.caps.max_lora_rank}",
+                limit = self.caps.max_lora_rank
+                raise AdapterInvalid(
+                    [f"LoRA rank {rank} is over the engine's max_lora_rank {limit}"],
+                    f"{name!r} v{version}",
                 )
             # In place, the previous holder of the plain name gives its engine slot to us.
             holder = self._holder(ename)
             if self.caps.max_adapters is not None and holder is None:
                 held = {i.record.engine_name for i in self.db.all() if i.record.state in _IN_ENGINE}
                 if len(held) >= self.caps.max_adapters:
-                    raise ServiceError(
-                        ErrorCode.QUOTA_EXCEEDED,
+                    raise QuotaExceeded(
                         f"the engine already holds {len(held)} adapters, its limit is "
                         f"{self.caps.max_adapters}; unload one before loading {ename!r}",
                     )
@@ -280,13 +251,13 @@ class AdapterService:
                     update={**attempt, "state": AdapterState.FAILED, "error": str(exc)}
                 )
                 self.db.put(StoredAdapter(rec, item.manifest))
-                raise engine_error(exc) from None
+                raise
             except EngineUnavailable as exc:
                 rec = pending.model_copy(
                     update={"error": f"loading as {ename!r}: outcome unknown: {exc}"}
                 )
                 self.db.put(StoredAdapter(rec, item.manifest))
-                raise engine_error(exc) from None
+                raise
             self.metrics.load_seconds.observe(time.perf_counter() - t0)
             state = AdapterState.LOADED
             if holder is not None:
@@ -311,8 +282,7 @@ class AdapterService:
         async with self.locks[name]:
             item = self._get(name, version)
             if item.record.state not in _IN_ENGINE:
-                raise ServiceError(
-                    ErrorCode.ADAPTER_CONFLICT,
+                raise AdapterConflict(
                     f"{name!r} v{version} is {item.record.state.value}; load it before activating",
                 )
             for other in self.db.by_name(name):
@@ -329,13 +299,10 @@ class AdapterService:
             item = self._get(name, version)
             rec = item.record
             for ename in self._engine_names(item):
-                try:
+                # Already gone (engine restarted, or never got there) is fine. Any other engine
+                # error propagates and the files stay: the engine may still hold them (promise 6).
+                with contextlib.suppress(AdapterMissing):
                     await self.backend.unload(ename)
-                except AdapterMissing:
-                    pass  # already gone (engine restarted, or never got there)
-                except (EngineRejected, EngineUnavailable) as exc:
-                    # Keep the files: the engine may hold them (promise 6).
-                    raise engine_error(exc) from None
             self.db.delete(name, version)
             shas = item.shas
             await asyncio.to_thread(self.store.remove_adapter_dir, name, version, [])

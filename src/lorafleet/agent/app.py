@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
     JsonBodyLimit,
-    error_response,
     install_error_handlers,
     require_token,
 )
@@ -49,7 +49,6 @@ from lorafleet.protocol.agent import (
     UploadSession,
     UploadStatus,
 )
-from lorafleet.protocol.errors import ErrorCode
 
 __all__ = ["AgentConfig", "create_app"]
 
@@ -127,26 +126,27 @@ class Runtime:
         self.db.close()
 
     async def _probe_until_ok(self) -> None:
-        while True:
-            try:
-                probe = await self.backend.probe()
-            except EngineUnavailable as exc:
+        """Probe the engine until it answers; a garbled answer must not end probing for good."""
+
+        def note(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, EngineUnavailable):
                 self.probe_detail = str(exc)
-                await asyncio.sleep(0.5)
-                continue
-            except Exception as exc:  # a garbled answer must not end the probing for good
+            else:
                 log.warning("engine probe failed: %s: %s", type(exc).__name__, exc)
                 self.probe_detail = f"engine probe failed: {type(exc).__name__}: {exc}"
-                await asyncio.sleep(0.5)
-                continue
-            self.caps = probe.capabilities
-            self.service.caps = probe.capabilities
-            if not self.cfg.served_model_name:
-                self.base_model = probe.base_model
-            self.probed = True
-            self.probe_detail = None
-            self.reconciler.start()
-            return
+
+        retrying = AsyncRetrying(
+            wait=wait_fixed(0.5), retry=retry_if_exception_type(Exception), before_sleep=note
+        )
+        probe = await retrying(self.backend.probe)
+        self.caps = probe.capabilities
+        self.service.caps = probe.capabilities
+        if not self.cfg.served_model_name:
+            self.base_model = probe.base_model
+        self.probed = True
+        self.probe_detail = None
+        self.reconciler.start()
 
     async def _reap_forever(self) -> None:
         period = max(0.2, min(self.cfg.limits.ttl_s / 4, 5.0))
@@ -188,12 +188,6 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     app = FastAPI(title="lorafleet agent", version="1", lifespan=lifespan)
     app.state.runtime = rt
     install_error_handlers(app)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Anything not mapped to a protocol error is still answered in the error envelope.
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
     # Upload PUTs stream raw bytes, capped by the declared file size instead.
     app.add_middleware(JsonBodyLimit, limit=cfg.json_limit, stream_prefix="/v1/uploads/")

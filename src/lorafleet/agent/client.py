@@ -14,6 +14,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from lorafleet._http import bearer, map_transport_errors, raise_for_status
 from lorafleet.bundle.manifest import FileEntry, Manifest
@@ -123,34 +130,35 @@ class AsyncAgentClient:
     ) -> FileProgress:
         """Send one file (a path, streamed in chunks, or bytes). Resumes after a dropped
         connection from the agent's durable offset, up to ``max_attempts`` times."""
-        offset = 0
-        last: Exception | None = None
-        for attempt in range(self.max_attempts):
-            if attempt:
-                await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
-                try:
-                    offset = await self.upload_offset(upload_id, entry.path)
-                except TransportError as exc:
-                    last = exc
-                    continue
-            headers = {
-                UPLOAD_OFFSET_HEADER: str(offset),
-                REPR_DIGEST_HEADER: _repr_digest(entry.sha256),
-                "Content-Length": str(entry.size - offset),
-                "Content-Type": "application/octet-stream",
-            }
-            body = _chunks(source, offset, entry.size, chunk_size, on_progress)
-            try:
-                resp = await self._request(
-                    "PUT", file_url(upload_id, entry.path), content=body, headers=headers
-                )
-            except TransportError as exc:
-                last = exc
-                continue
-            return FileProgress.model_validate(resp.json())
-        raise TransportError(
-            f"upload of {entry.path!r} failed after {self.max_attempts} attempts: {last}"
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_attempts),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            retry=retry_if_exception_type(TransportError),
         )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    # The agent owns the offset: after a dropped connection, ask it what is
+                    # durable and send only the rest (tus-style resume).
+                    first = attempt.retry_state.attempt_number == 1
+                    offset = 0 if first else await self.upload_offset(upload_id, entry.path)
+                    headers = {
+                        UPLOAD_OFFSET_HEADER: str(offset),
+                        REPR_DIGEST_HEADER: _repr_digest(entry.sha256),
+                        "Content-Length": str(entry.size - offset),
+                        "Content-Type": "application/octet-stream",
+                    }
+                    body = _chunks(source, offset, entry.size, chunk_size, on_progress)
+                    resp = await self._request(
+                        "PUT", file_url(upload_id, entry.path), content=body, headers=headers
+                    )
+                    return FileProgress.model_validate(resp.json())
+        except RetryError as exc:
+            raise TransportError(
+                f"upload of {entry.path!r} failed after {self.max_attempts} attempts: "
+                f"{exc.last_attempt.exception()}"
+            ) from exc
+        raise AssertionError("unreachable: tenacity either returns or raises")
 
     async def commit(self, upload_id: str) -> AdapterRecord:
         resp = await self._request("POST", upload_url(upload_id) + "/commit")

@@ -24,12 +24,24 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from lorafleet._service import ServiceError
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.store import Store, free_bytes
-from lorafleet.bundle.manifest import FileEntry, Manifest, PathError, check_file_path
+from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.errors import (
+    DigestMismatch,
+    FileTooLarge,
+    IntegrityError,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    OffsetMismatch,
+    PublishInProgress,
+    QuotaExceeded,
+    SizeExceeded,
+    SizeMismatch,
+    UploadNotFound,
+)
 from lorafleet.protocol.agent import UPLOAD_OFFSET_HEADER, FileProgress, UploadSession, UploadStatus
-from lorafleet.protocol.errors import ErrorCode
 
 __all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
 
@@ -93,9 +105,7 @@ def parse_sha256_digest(value: str, header: str) -> str:
                 if len(raw) == 32:
                     return raw.hex()
             break
-    raise ServiceError(
-        ErrorCode.INVALID_REQUEST, f"{header} needs a sha-256=:<base64>: member", param=header
-    )
+    raise InvalidRequest(f"{header} needs a sha-256=:<base64>: member", param=header)
 
 
 def _write_and_hash(fd: int, parts: list[bytes]) -> None:
@@ -239,20 +249,6 @@ class UploadManager:
 
         Idempotent: the same manifest (by digest) while its session is open returns that session.
         """
-        for f in manifest.files:
-            try:
-                check_file_path(f.path)
-            except PathError as exc:
-                code = ErrorCode.PATH_ESCAPE if exc.kind == "escape" else ErrorCode.FILE_NOT_ALLOWED
-                raise ServiceError(code, str(exc), param=f.path) from None
-        for f in manifest.files:
-            if f.size > self.limits.max_file_bytes:
-                raise ServiceError(
-                    ErrorCode.FILE_TOO_LARGE,
-                    f"file {f.path!r} is {f.size} bytes, over the per-file cap of "
-                    f"{self.limits.max_file_bytes} bytes",
-                    param=f.path,
-                )
         for s in self.sessions.values():
             if s.manifest.name == manifest.name and s.manifest.digest == manifest.digest:
                 # The same bundle again: a publisher whose answer to the first open was lost
@@ -266,12 +262,35 @@ class UploadManager:
                     expires_in_s=self.limits.ttl_s,
                 )
             if s.manifest.name == manifest.name:
-                raise ServiceError(
-                    ErrorCode.PUBLISH_IN_PROGRESS,
+                raise PublishInProgress(
                     f"upload {s.id} for adapter {manifest.name!r} (version "
                     f"{s.manifest.version}) is still open; commit or discard it first",
                 )
         check_version(manifest)
+        missing, present, needed = self.admit(manifest)
+        sid = uuid.uuid4().hex
+        files = {p: _File(manifest.file(p)) for p in missing}
+        for p in present:
+            files[p] = _File(manifest.file(p), offset=manifest.file(p).size, complete=True)
+        self.sessions[sid] = _Session(sid, manifest, files, missing, reserved=needed)
+        return UploadSession(
+            upload_id=sid, missing=missing, present=present, expires_in_s=self.limits.ttl_s
+        )
+
+    def admit(self, manifest: Manifest) -> tuple[list[str], list[str], int]:
+        """Size and quota admission, for uploads and shared-filesystem registration alike.
+
+        Returns (paths to receive, paths already in the store, bytes to reserve). Raises
+        ``FileTooLarge`` for a file over the per-file cap and ``QuotaExceeded`` when the store
+        cannot take the missing bytes (each distinct blob counted once).
+        """
+        for f in manifest.files:
+            if f.size > self.limits.max_file_bytes:
+                raise FileTooLarge(
+                    f"file {f.path!r} is {f.size} bytes, over the per-file cap of "
+                    f"{self.limits.max_file_bytes} bytes",
+                    param=f.path,
+                )
         missing, present, needed, seen = [], [], 0, set()
         for f in manifest.files:
             if self.store.has_blob(f.sha256, f.size):
@@ -283,19 +302,11 @@ class UploadManager:
                     seen.add(f.sha256)
         available = self.available_bytes()
         if needed > available:
-            raise ServiceError(
-                ErrorCode.QUOTA_EXCEEDED,
+            raise QuotaExceeded(
                 f"adapter {manifest.name!r} v{manifest.version} needs {needed} bytes of storage, "
                 f"only {available} bytes are available",
             )
-        sid = uuid.uuid4().hex
-        files = {p: _File(manifest.file(p)) for p in missing}
-        for p in present:
-            files[p] = _File(manifest.file(p), offset=manifest.file(p).size, complete=True)
-        self.sessions[sid] = _Session(sid, manifest, files, missing, reserved=needed)
-        return UploadSession(
-            upload_id=sid, missing=missing, present=present, expires_in_s=self.limits.ttl_s
-        )
+        return missing, present, needed
 
     def available_bytes(self) -> int:
         """Bytes a new session may reserve: quota (or free disk) minus what is used or promised."""
@@ -320,15 +331,13 @@ class UploadManager:
     def get(self, upload_id: str) -> _Session:
         s = self.sessions.get(upload_id)
         if s is None or s.closed:
-            raise ServiceError(ErrorCode.UPLOAD_NOT_FOUND, f"no open upload {upload_id!r}")
+            raise UploadNotFound(f"no open upload {upload_id!r}")
         return s
 
     def _file(self, s: _Session, path: str) -> _File:
         f = s.files.get(path)
         if f is None:
-            raise ServiceError(
-                ErrorCode.NOT_FOUND, f"file {path!r} is not in upload {s.id}'s manifest", param=path
-            )
+            raise NotFound(f"file {path!r} is not in upload {s.id}'s manifest", param=path)
         return f
 
     def offset(self, upload_id: str, path: str) -> int:
@@ -364,15 +373,13 @@ class UploadManager:
         if f.complete:
             return _progress(f)  # idempotent: already verified (or deduplicated)
         if f.task is not None:
-            raise ServiceError(
-                ErrorCode.OFFSET_MISMATCH,
+            raise OffsetMismatch(
                 f"another PUT for {path!r} is in progress",
                 headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
             )
         start = offset or 0
         if start != f.offset:
-            raise ServiceError(
-                ErrorCode.OFFSET_MISMATCH,
+            raise OffsetMismatch(
                 f"{path!r}: Upload-Offset {start} differs from the durable offset {f.offset}",
                 headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
             )
@@ -380,8 +387,7 @@ class UploadManager:
             want = parse_sha256_digest(repr_digest, "Repr-Digest")
             if want != entry.sha256:
                 self.metrics.verification_failures.labels("digest").inc()
-                raise ServiceError(
-                    ErrorCode.DIGEST_MISMATCH,
+                raise DigestMismatch(
                     f"{path!r}: Repr-Digest sha256 {want} differs from the manifest's "
                     f"{entry.sha256}",
                     param=path,
@@ -392,8 +398,7 @@ class UploadManager:
         if content_length is not None and start + content_length > entry.size:
             self.metrics.verification_failures.labels("size").inc()
             self._reset(s, f)
-            raise ServiceError(
-                ErrorCode.SIZE_EXCEEDED,
+            raise SizeExceeded(
                 f"{path!r}: Content-Length {content_length} from offset {start} exceeds the "
                 f"declared size of {entry.size} bytes",
                 param=path,
@@ -443,8 +448,7 @@ class UploadManager:
                 if received + len(chunk) > entry.size:
                     refused = True
                     self.metrics.verification_failures.labels("size").inc()
-                    raise ServiceError(
-                        ErrorCode.SIZE_EXCEEDED,
+                    raise SizeExceeded(
                         f"{entry.path!r}: more bytes than the declared size of {entry.size}",
                         param=entry.path,
                     )
@@ -459,7 +463,7 @@ class UploadManager:
                     await pipe.backlog(_INFLIGHT)
                 if s.closed:
                     refused = True
-                    raise ServiceError(ErrorCode.UPLOAD_NOT_FOUND, f"upload {s.id} was discarded")
+                    raise UploadNotFound(f"upload {s.id} was discarded")
         except _WriteFailed:
             pass  # answered below, once the written prefix is known
         finally:
@@ -486,30 +490,30 @@ class UploadManager:
             if cancelled:
                 raise asyncio.CancelledError
         if pipe.error is not None:
-            raise ServiceError(
-                ErrorCode.INTERNAL,
+            raise InternalError(
                 f"{entry.path!r}: writing to the store failed after {f.offset} bytes: "
                 f"{pipe.error}; resume from Upload-Offset",
                 headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
             )
 
-        def refuse(kind: str, message: str) -> ServiceError:
+        def refuse(kind: type[IntegrityError], message: str) -> IntegrityError:
             # Nothing of a file that failed verification stays behind.
-            self.metrics.verification_failures.labels(kind).inc()
+            self.metrics.verification_failures.labels(
+                "size" if kind is SizeMismatch else "digest"
+            ).inc()
             self._reset(s, f)
-            code = ErrorCode.SIZE_MISMATCH if kind == "size" else ErrorCode.DIGEST_MISMATCH
-            return ServiceError(code, f"{entry.path!r}: {message}", param=entry.path)
+            return kind(f"{entry.path!r}: {message}", param=entry.path)
 
         if received != entry.size:
-            raise refuse("size", f"declared {entry.size} bytes, received {received}")
+            raise refuse(SizeMismatch, f"declared {entry.size} bytes, received {received}")
         if chash is not None and chash.hexdigest() != chunk_want:
             raise refuse(
-                "digest",
+                DigestMismatch,
                 f"Content-Digest sha256 {chunk_want}, body hashed to {chash.hexdigest()}",
             )
         actual = hasher.hexdigest()
         if actual != entry.sha256:
-            raise refuse("digest", f"declared sha256 {entry.sha256}, received {actual}")
+            raise refuse(DigestMismatch, f"declared sha256 {entry.sha256}, received {actual}")
         if self.store.adopt_blob(partial, entry.sha256):
             s.added_blobs.add(entry.sha256)
         f.complete = True

@@ -1,7 +1,7 @@
 """The manifest: what a bundle declares about itself. Pure values, no I/O.
 
-Both the trainer and the agent use these types; the agent re-checks every path with
-``check_file_path`` so that a hand-made manifest cannot escape the store.
+Both the trainer and the agent use these types. A ``FileEntry`` validates its path when it is
+built, so no manifest, however it was made, can name a file outside the adapter directory.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from lorafleet.errors import FileNotAllowed, PathError, PathEscape
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -34,29 +36,23 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class PathError(ValueError):
-    """A file path is unsafe (``escape``) or not in the allow-list (``not_allowed``)."""
-
-    def __init__(self, kind: str, path: str, message: str) -> None:
-        self.kind = kind
-        self.path = path
-        super().__init__(message)
-
-
 def check_file_path(path: str) -> str:
-    """Return ``path`` if it is a safe, allow-listed bundle file name; raise ``PathError``."""
+    """Return ``path`` if it is a safe, allow-listed bundle file name.
+
+    Raises ``PathEscape`` (absolute, ``..``, a forbidden character) or ``FileNotAllowed``.
+    """
     if not isinstance(path, str) or not path:
-        raise PathError("not_allowed", str(path), "empty file name")
+        raise FileNotAllowed("empty file name", path=str(path))
     if "\x00" in path or "\\" in path:
-        raise PathError("escape", path, f"file path {path!r} contains a forbidden character")
+        raise PathEscape(f"file path {path!r} contains a forbidden character", path=path)
     if path.startswith("/") or posixpath.isabs(path):
-        raise PathError("escape", path, f"file path {path!r} is absolute")
+        raise PathEscape(f"file path {path!r} is absolute", path=path)
     parts = path.split("/")
     if any(p in ("..", ".", "") for p in parts) or posixpath.normpath(path) != path:
-        raise PathError("escape", path, f"file path {path!r} escapes the adapter directory")
+        raise PathEscape(f"file path {path!r} escapes the adapter directory", path=path)
     if path not in ALLOWED_FILES:
         allowed = ", ".join(sorted(ALLOWED_FILES))
-        raise PathError("not_allowed", path, f"file {path!r} is not allowed (allowed: {allowed})")
+        raise FileNotAllowed(f"file {path!r} is not allowed (allowed: {allowed})", path=path)
     return path
 
 
@@ -77,6 +73,14 @@ class FileEntry(BaseModel):
     path: str
     size: int = Field(ge=0)
     sha256: str
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        # Checked when built, wherever it is built: a hand-made manifest cannot name a file
+        # outside the adapter directory or the allow-list (huggingface_hub's commit operations
+        # validate the same way).
+        return check_file_path(v)
 
     @field_validator("sha256")
     @classmethod

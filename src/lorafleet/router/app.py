@@ -17,11 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
     JsonBodyLimit,
-    ServiceError,
     install_error_handlers,
     require_token,
 )
-from lorafleet.protocol.errors import ErrorCode
+from lorafleet.errors import VersionConflict
 from lorafleet.protocol.router import (
     AliasEntry,
     AliasTable,
@@ -149,13 +148,7 @@ def _build_api(router: RouterApp) -> FastAPI:
         require_token(request, cfg.control_token)
 
     def inference(request: Request) -> None:
-        if cfg.api_key is None:
-            return
-        try:
-            require_token(request, cfg.api_key)
-        except ServiceError as exc:
-            exc.message = exc.message.replace("control token", "API key")
-            raise
+        require_token(request, cfg.api_key, what="API key")
 
     ctl = [Depends(control)]
 
@@ -221,8 +214,7 @@ def _build_api(router: RouterApp) -> FastAPI:
     async def drain(name: str, req: DrainRequest) -> DrainResponse:
         active = store.aliases.get(name)
         if active is not None and active.version == req.version:
-            raise ServiceError(
-                ErrorCode.VERSION_CONFLICT,
+            raise VersionConflict(
                 f"{name!r} v{req.version} is the active version; flip the alias before draining",
                 param="version",
             )

@@ -22,8 +22,15 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from lorafleet._auth import check_bearer
-from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorCode, error_body
+from lorafleet._service import check_token, send_error
+from lorafleet.errors import (
+    BodyTooLarge,
+    EngineUnavailable,
+    InvalidRequest,
+    NoReplica,
+    NotFound,
+    ServiceError,
+)
 from lorafleet.protocol.router import TAG_FIELD
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
@@ -44,7 +51,6 @@ _CONNECT_ERRORS = (
     aiohttp.ClientOSError,
     aiohttp.ServerTimeoutError,  # includes the connect timeout (aiohttp.ConnectionTimeoutError)
 )
-_JSON_CT = (b"content-type", b"application/json")
 _FWD_HEADERS = {"Content-Type": "application/json"}
 _H_ADAPTER = b"x-lorafleet-adapter"
 _H_VERSION = b"x-lorafleet-adapter-version"
@@ -67,27 +73,9 @@ class Route:
     base_model: str | None
 
 
-class _ClientError(Exception):
-    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-        self.code, self.message, self.headers = code, message, headers or {}
-
-
 def _esc(s: str) -> bytes:
     """``s`` as the inside of a JSON string."""
     return json.dumps(s)[1:-1].encode()
-
-
-async def send_error(send, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-    status = STATUS_BY_CODE.get(code, 500)
-    body = json.dumps(error_body(code, message)).encode()
-    hdrs = [_JSON_CT, (b"content-length", str(len(body)).encode())]
-    hdrs.append((ERROR_CODE_HEADER.lower().encode(), code.encode()))
-    for k, v in (headers or {}).items():
-        hdrs.append((k.lower().encode(), v.encode()))
-    if status == 503 and not any(k == b"retry-after" for k, _ in hdrs):
-        hdrs.append((b"retry-after", b"1"))
-    await send({"type": "http.response.start", "status": status, "headers": hdrs})
-    await send({"type": "http.response.body", "body": body})
 
 
 class Proxy:
@@ -107,7 +95,7 @@ class Proxy:
         self.balancer = balancer
         self.metrics = metrics
         self.session = session
-        self._key = api_key.encode() if api_key else None
+        self._key = api_key or None
         # Deliberately broken mode for the consistency checker's end-to-end test: re-read the
         # alias table this many seconds after arrival and forward to whatever is active then,
         # while tagging and counting the arrival version (a time-of-check/time-of-use bug).
@@ -125,9 +113,9 @@ class Proxy:
             try:
                 req = json.loads(body)
             except ValueError as exc:
-                raise _ClientError(ErrorCode.INVALID_REQUEST, f"body is not JSON: {exc}") from exc
+                raise InvalidRequest(f"body is not JSON: {exc}") from exc
             if not isinstance(req, dict):
-                raise _ClientError(ErrorCode.INVALID_REQUEST, "body must be a JSON object")
+                raise InvalidRequest("body must be a JSON object")
             session = None
             for k, v in scope["headers"]:
                 if k == b"x-session-id":
@@ -146,11 +134,9 @@ class Proxy:
             cands = self.balancer.candidates(route.replicas, route.base_model)
             if not cands:
                 what = f"{route.adapter} v{route.version}" if route.adapter else route.alias
-                raise _ClientError(
-                    ErrorCode.NO_REPLICA, f"no healthy replica serves {what!r} right now"
-                )
-        except _ClientError as exc:
-            await send_error(send, exc.code, exc.message, exc.headers)
+                raise NoReplica(f"no healthy replica serves {what!r} right now")
+        except ServiceError as exc:
+            await send_error(send, exc)
             return
         key = (route.adapter, route.version)
         self.balancer.begin(key)  # same tick as resolve(): no await in between
@@ -176,15 +162,7 @@ class Proxy:
 
     def _authorize(self, scope) -> None:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        verdict = check_bearer(header, self._key)
-        if verdict == "invalid":
-            raise _ClientError(ErrorCode.FORBIDDEN, "invalid API key")
-        if verdict == "missing":
-            raise _ClientError(
-                ErrorCode.UNAUTHORIZED,
-                "missing API key: send 'Authorization: Bearer <key>'",
-                {"WWW-Authenticate": "Bearer"},
-            )
+        check_token(header, self._key, what="API key")
 
     @staticmethod
     async def _read_body(receive) -> bytes:
@@ -196,24 +174,24 @@ class Proxy:
         while msg.get("more_body"):
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                raise _ClientError(ErrorCode.INVALID_REQUEST, "client went away")
+                raise InvalidRequest("client went away")
             buf += msg.get("body", b"")
             if len(buf) > MAX_BODY:
-                raise _ClientError(ErrorCode.BODY_TOO_LARGE, f"body over {MAX_BODY} bytes")
+                raise BodyTooLarge(f"body over {MAX_BODY} bytes")
         return bytes(buf)
 
     def resolve(self, model: object) -> Route:
-        """``model`` -> Route, at arrival. Raises _ClientError 404 for an unknown name."""
+        """``model`` -> Route, at arrival. Raises ``NotFound`` for an unknown name."""
         if model is None:
             return Route(None, None, None, None, None, None)
         if not isinstance(model, str):
-            raise _ClientError(ErrorCode.INVALID_REQUEST, "model must be a string")
+            raise InvalidRequest("model must be a string")
         entry = self.store.aliases.get(model)
         if entry is not None:
             return Route(model, model, entry.version, entry.engine_name, entry.replicas, None)
         if model in self.balancer.base_models():
             return Route(model, None, None, None, None, model)
-        raise _ClientError(ErrorCode.NOT_FOUND, f"The model `{model}` does not exist.")
+        raise NotFound(f"The model `{model}` does not exist.")
 
     async def _unsafe_reresolve(self, req: dict, route: Route, cands: list[Replica]):
         await asyncio.sleep(self.unsafe_delay or 0)
@@ -227,12 +205,12 @@ class Proxy:
     def _generate_body(req: dict, route: Route) -> bytes:
         ids = req.get("token_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise _ClientError(ErrorCode.INVALID_REQUEST, "token_ids must be a non-empty int list")
+            raise InvalidRequest("token_ids must be a non-empty int list")
         if req.get("stream"):
-            raise _ClientError(ErrorCode.INVALID_REQUEST, "/generate does not stream")
+            raise InvalidRequest("/generate does not stream")
         sp = req.get("sampling_params") or {}
         if not isinstance(sp, dict):
-            raise _ClientError(ErrorCode.INVALID_REQUEST, "sampling_params must be an object")
+            raise InvalidRequest("sampling_params must be an object")
         body = {**sp, "prompt": ids, "return_token_ids": True}
         model = route.engine_name or route.alias
         if model is not None:
@@ -300,8 +278,9 @@ class Proxy:
                 replica.inflight -= 1
         await send_error(
             send,
-            ErrorCode.ENGINE_UNAVAILABLE,
-            "could not connect to a replica" if failed else "no healthy replica right now",
+            EngineUnavailable(
+                "could not connect to a replica" if failed else "no healthy replica right now"
+            ),
         )
         return 503
 

@@ -2,7 +2,7 @@
 
 Pure state plus one durable file. Every mutation builds the new state, writes it to disk
 (temp file + fsync + ``os.replace``) and only then swaps it in, so what a client was told is
-what survives a restart. Errors are ``ServiceError``s with the protocol's codes.
+what survives a restart. Errors are ``lorafleet.errors`` classes with the protocol's codes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet._service import ServiceError
-from lorafleet.protocol.errors import ErrorCode
+from lorafleet.errors import NotFound, PublishInProgress, VersionConflict
 from lorafleet.protocol.router import AliasEntry, AliasEvent, AliasTable, Lease
 
 __all__ = ["STATE_FILE", "AliasStore", "LeaseRecord"]
@@ -113,8 +112,7 @@ class AliasStore:
     def _check_lease(self, name: str, holder: str | None) -> None:
         lease = self.lease_of(name)
         if lease is not None and lease.holder != holder:
-            raise ServiceError(
-                ErrorCode.PUBLISH_IN_PROGRESS,
+            raise PublishInProgress(
                 f"{name!r} is leased by {lease.holder!r} "
                 f"for another {lease.expires_at - time.time():.1f}s",
             )
@@ -139,21 +137,19 @@ class AliasStore:
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
 
-        Raises ServiceError: ``publish_in_progress`` (someone else holds the lease),
-        ``version_conflict`` (CAS failed, or ``version`` is not newer than the active one).
+        Raises ``PublishInProgress`` (someone else holds the lease),
+        ``VersionConflict`` (CAS failed, or ``version`` is not newer than the active one).
         """
         self._check_lease(name, lease_holder)
         current = self.aliases.get(name)
         active = current.version if current else None
         if expected_version is not _UNSET and expected_version != active:
-            raise ServiceError(
-                ErrorCode.VERSION_CONFLICT,
+            raise VersionConflict(
                 f"{name!r}: expected active version {expected_version}, found {active}",
                 param="expected_version",
             )
         if active is not None and version <= active:
-            raise ServiceError(
-                ErrorCode.VERSION_CONFLICT,
+            raise VersionConflict(
                 f"{name!r}: version {version} is not newer than the active version {active}",
                 param="version",
             )
@@ -175,9 +171,9 @@ class AliasStore:
         return entry
 
     def delete_alias(self, name: str, lease_holder: str | None = None) -> AliasEvent:
-        """Remove ``name``. Raises ServiceError ``not_found`` / ``publish_in_progress``."""
+        """Remove ``name``. Raises ``NotFound`` / ``PublishInProgress``."""
         if name not in self.aliases:
-            raise ServiceError(ErrorCode.NOT_FOUND, f"no alias {name!r}")
+            raise NotFound(f"no alias {name!r}")
         self._check_lease(name, lease_holder)
         event = self._append(name, None, None)
         aliases = {k: v for k, v in self.aliases.items() if k != name}
@@ -187,7 +183,7 @@ class AliasStore:
         return event
 
     def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
-        """Grant or renew; ServiceError ``publish_in_progress`` if another holder has it."""
+        """Grant or renew; ``PublishInProgress`` if another holder has it."""
         self._check_lease(name, holder)
         leases = {**self.leases, name: LeaseRecord(holder=holder, expires_at=time.time() + ttl_s)}
         self._persist(self.aliases, self.log, self.seq, leases)

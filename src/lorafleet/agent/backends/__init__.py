@@ -5,7 +5,6 @@ from __future__ import annotations
 from lorafleet.agent.backends.base import (
     AdapterMissing,
     EngineBackend,
-    EngineError,
     EngineProbe,
     EngineRejected,
     EngineUnavailable,
@@ -17,7 +16,6 @@ from lorafleet.agent.backends.vllm import VLLMBackend
 __all__ = [
     "AdapterMissing",
     "EngineBackend",
-    "EngineError",
     "EngineProbe",
     "EngineRejected",
     "EngineUnavailable",

@@ -1,9 +1,10 @@
 """The one interface the agent uses to drive an engine, and the errors a backend raises.
 
 A backend speaks only the engine's public runtime API. It translates the engine's answers into
-three outcomes the agent maps to protocol errors: ``EngineUnavailable`` (no answer, 503),
-``EngineRejected`` (the engine refused, 502, carrying its message) and ``AdapterMissing``
-(the engine does not know the name; unload treats it as already done).
+three outcomes: ``EngineUnavailable`` (no answer: protocol code ``engine_unavailable``, 503),
+``EngineRejected`` (the engine refused: ``engine_rejected``, 502, carrying the engine's message)
+and ``AdapterMissing`` (the engine does not know the name; unload treats it as already done).
+The first two are ``lorafleet.errors`` classes, so they reach the agent's clients as they are.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 
 import httpx
 
+from lorafleet._http import error_message
+from lorafleet.errors import EngineRejected, EngineUnavailable, LorafleetError
 from lorafleet.protocol.agent import EngineCapabilities
 
 __all__ = [
     "AdapterMissing",
     "EngineBackend",
-    "EngineError",
     "EngineProbe",
     "EngineRejected",
     "EngineUnavailable",
@@ -28,23 +30,7 @@ __all__ = [
 ]
 
 
-class EngineError(Exception):
-    """Base of backend errors."""
-
-
-class EngineUnavailable(EngineError):
-    """The engine did not answer (refused, reset, timed out) or is not set up for runtime LoRA."""
-
-
-class EngineRejected(EngineError):
-    """The engine answered and refused the operation; ``message`` is the engine's own text."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        self.status = status
-        super().__init__(message)
-
-
-class AdapterMissing(EngineError):
+class AdapterMissing(LorafleetError):
     """The engine has no adapter under that name."""
 
 
@@ -74,22 +60,6 @@ def json_dict(resp: httpx.Response) -> dict:
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
-
-
-def error_text(resp: httpx.Response) -> str:
-    """The engine's message from vLLM's envelope, SGLang's body, FastAPI's detail, or text."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip()
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("error_message", "message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return resp.text.strip()
 
 
 class EngineBackend(ABC):
@@ -124,7 +94,7 @@ class EngineBackend(ABC):
         with map_transport(self.url):
             r = await self.http.get("/v1/models", timeout=5.0)
         if r.status_code != 200:
-            raise EngineUnavailable(f"GET /v1/models answered {r.status_code}: {error_text(r)}")
+            raise EngineUnavailable(f"GET /v1/models answered {r.status_code}: {error_message(r)}")
         data = json_dict(r).get("data")
         if not isinstance(data, list):
             raise EngineUnavailable(f"GET /v1/models answered no model list: {r.text[:200]!r}")

@@ -6,10 +6,10 @@ the engine's real limits, so the agent refuses what the engine would refuse befo
 
 from __future__ import annotations
 
+from lorafleet._http import error_message
 from lorafleet.agent.backends.base import (
     EngineProbe,
     EngineUnavailable,
-    error_text,
     json_dict,
     map_transport,
 )
@@ -27,7 +27,7 @@ class ReferenceBackend(VLLMBackend):
             r = await self.http.get("/v1/engine_info", timeout=5.0)
         if r.status_code != 200:
             raise EngineUnavailable(
-                f"GET /v1/engine_info answered {r.status_code}: {error_text(r)}"
+                f"GET /v1/engine_info answered {r.status_code}: {error_message(r)}"
             )
         info = json_dict(r)
         if not info:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 
+from lorafleet._http import error_message
 from lorafleet.agent.backends.base import (
     AdapterMissing,
     EngineBackend,
     EngineProbe,
     EngineRejected,
     EngineUnavailable,
-    error_text,
     json_dict,
     map_transport,
 )
@@ -75,8 +75,8 @@ class SGLangBackend(EngineBackend):
         if r.status_code == 200 and data.get("success", True):
             return data
         if r.status_code >= 500:
-            raise EngineUnavailable(f"{route} answered {r.status_code}: {error_text(r)}")
-        return {"success": False, "error_message": error_text(r), "status": r.status_code}
+            raise EngineUnavailable(f"{route} answered {r.status_code}: {error_message(r)}")
+        return {"success": False, "error_message": error_message(r), "status": r.status_code}
 
     async def load(self, name: str, path: str, *, replace: bool = False) -> None:
         body: dict = {"lora_name": name, "lora_path": path}

@@ -11,13 +11,13 @@ Facts this relies on (research/vllm-and-fleet-managers.md §1):
 
 from __future__ import annotations
 
+from lorafleet._http import error_message
 from lorafleet.agent.backends.base import (
     AdapterMissing,
     EngineBackend,
     EngineProbe,
     EngineRejected,
     EngineUnavailable,
-    error_text,
     json_dict,
     map_transport,
 )
@@ -85,7 +85,7 @@ class VLLMBackend(EngineBackend):
             r = await self.http.post("/v1/load_lora_adapter", json=body)
         if r.status_code == 200:
             return
-        msg = error_text(r)
+        msg = error_message(r)
         if r.status_code == 404 and msg == "Not Found":
             raise EngineUnavailable("the engine's runtime LoRA API is disabled")
         if r.status_code >= 500 and "EngineCore" in msg:
@@ -105,7 +105,7 @@ class VLLMBackend(EngineBackend):
             r = await self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})
         if r.status_code == 200:
             return
-        msg = error_text(r)
+        msg = error_message(r)
         if r.status_code == 404 and msg != "Not Found":
             raise AdapterMissing(msg)
         raise EngineRejected(
