@@ -16,7 +16,6 @@ import pytest
 
 import lorafleet.agent.adapters as adapters_mod
 import lorafleet.agent.uploads as uploads_mod
-from lorafleet.errors import ServiceError
 from lorafleet.agent.backends import (
     AdapterMissing,
     EngineRejected,
@@ -28,6 +27,7 @@ from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadLimits, UploadManager
 from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.errors import ServiceError
 from lorafleet.protocol.agent import AdapterState, EngineCapabilities
 
 CFG = b'{"r": 8}'
