@@ -2,7 +2,7 @@
 
 scripts/setup-sglang.sh copies this package into the SGLang venv's site-packages, so a server
 started from that venv with ``SGLANG_USE_CPU_ENGINE=1`` needs no PYTHONPATH. It exists because
-PyPI's ``sgl-kernel``/``sglang-kernel`` wheels are CUDA-only (see
+the published ``sgl-kernel``/``sglang-kernel`` wheels are CUDA-only (see
 ../shared/research/sglang-cpu-recipe.md and docs/engines/sglang.md).
 
 Only for CPUs without AMX, where SGLang already falls back to torch-native layers. It is not the
@@ -11,6 +11,8 @@ even on an AMX CPU), implements the one op the Llama + LoRA path calls
 (``assign_req_to_token_pool_cpu``), and makes every other name importable but loud if called.
 Pinned to sglang==0.5.23: another version may call other ops.
 """
+
+import contextlib
 
 import torch
 
@@ -31,15 +33,14 @@ if not torch.cuda.is_available():
 
         return wrapper
 
-    for _n in (
-        "tensor", "empty", "zeros", "ones", "arange", "full", "empty_strided", "empty_like",
-        "zeros_like", "ones_like", "full_like", "as_tensor",
-    ):
+    _PINNABLE = (
+        "tensor empty zeros ones arange full empty_strided empty_like zeros_like ones_like"
+        " full_like as_tensor"
+    )
+    for _n in _PINNABLE.split():
         if hasattr(torch, _n):
-            try:
+            with contextlib.suppress(Exception):  # best effort: a builtin may refuse setattr
                 setattr(torch, _n, _drop_pin(getattr(torch, _n)))
-            except Exception:  # noqa: BLE001 - best effort, a builtin may refuse setattr
-                pass
     torch.Tensor.pin_memory = lambda self, *a, **kw: self
 
 
@@ -51,7 +52,7 @@ def assign_req_to_token_pool_cpu(
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
     off = 0
-    for r, s, e in zip(rows, starts, ends):
+    for r, s, e in zip(rows, starts, ends, strict=True):
         n = e - s
         if n > 0:
             req_to_token[r, s:e] = out_cache_loc[off : off + n].to(req_to_token.dtype)
