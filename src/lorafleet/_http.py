@@ -1,7 +1,11 @@
-"""Client-side HTTP helpers: error answers become ``ServiceError`` subclasses in one place.
+"""Client-side HTTP helpers: the clients lorafleet owns, and error answers as exceptions.
 
-``error_message`` reads the message out of any engine's or service's error body; the agent's
-engine backends use it too, so each answer shape is parsed here once.
+``async_client`` builds every httpx client lorafleet uses to reach its own services and the
+engines: idle connections expire before the peers' keep-alive (uvicorn closes them after 5 s),
+and a request that meets a connection the peer has just closed is sent again, once, on a fresh
+one. ``raise_for_status`` turns an error answer into its ``ServiceError`` subclass, and
+``error_message`` reads the message out of any engine's or service's error body (the agent's
+engine backends use it too), so each answer shape is parsed here once.
 """
 
 from __future__ import annotations
@@ -14,7 +18,59 @@ import httpx
 from lorafleet.errors import TransportError, error_for
 from lorafleet.protocol.errors import ERROR_CODE_HEADER
 
-__all__ = ["bearer", "error_message", "map_transport_errors", "raise_for_status"]
+__all__ = [
+    "KEEPALIVE_EXPIRY_S",
+    "StaleConnectionRetry",
+    "async_client",
+    "bearer",
+    "error_message",
+    "map_transport_errors",
+    "raise_for_status",
+]
+
+KEEPALIVE_EXPIRY_S = 2.0
+"""Below the 5 s after which uvicorn-based servers (ours, vLLM, SGLang) close idle connections."""
+
+# What a request meets on a connection the server closed while it sat idle in the pool; nothing
+# of the answer has arrived, so a replayable request may be sent again.
+_STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class StaleConnectionRetry(httpx.AsyncBaseTransport):
+    """Send a request again, once, when it failed before any answer on a pooled connection."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self.transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.transport.handle_async_request(request)
+        except _STALE:
+            # Only a body we still hold can be sent again (an upload streams from a generator
+            # and resumes from the agent's offset instead).
+            if not isinstance(request.stream, httpx.ByteStream):
+                raise
+            return await self.transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+
+
+def async_client(
+    *,
+    timeout: float | httpx.Timeout = httpx.Timeout(60.0, connect=5.0),
+    limits: httpx.Limits | None = None,
+    **kwargs: object,
+) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` that survives peers closing idle keep-alive connections."""
+    limits = limits or httpx.Limits()
+    limits = httpx.Limits(
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=min(limits.keepalive_expiry or KEEPALIVE_EXPIRY_S, KEEPALIVE_EXPIRY_S),
+    )
+    transport = StaleConnectionRetry(httpx.AsyncHTTPTransport(limits=limits))
+    return httpx.AsyncClient(timeout=timeout, transport=transport, **kwargs)  # type: ignore[arg-type]
 
 
 def bearer(token: str | None) -> dict[str, str]:

@@ -78,6 +78,10 @@ def command(
         control_token = secrets.token_urlsafe(24)
         click.echo(f"lorafleet agent: generated control token: {control_token}", err=True)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    # httpx logs every request at INFO: the reconciler's engine listing, twice a second. Those
+    # lines belong to --log-level debug.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg = AgentConfig(
         engine=engine,
         engine_url=engine_url,

@@ -22,7 +22,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from lorafleet._http import bearer, map_transport_errors, raise_for_status
+from lorafleet._http import async_client, bearer, map_transport_errors, raise_for_status
 from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import TransportError
 from lorafleet.protocol.agent import (
@@ -68,7 +68,7 @@ class AsyncAgentClient:
         self.base_url = base_url.rstrip("/")
         self._headers = bearer(token)
         self._own = client is None
-        self._http = client or httpx.AsyncClient(timeout=timeout)
+        self._http = client or async_client(timeout=timeout)
         self.timeout = timeout
         self.max_attempts = max_attempts
 

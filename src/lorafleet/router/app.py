@@ -51,6 +51,13 @@ class RouterConfig:
     agent_token: str | None = None
     state_dir: str | None = None
     health_interval_s: float = 0.5
+    health_timeout_s: float = 5.0
+    """A busy machine can take seconds to answer a probe; that alone does not drop a replica."""
+    unhealthy_after: int = 3
+    healthy_after: int = 2
+    upstream_keepalive_s: float = 2.0
+    """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
+    which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
     unsafe_resolve_at_forward: float | None = None
     extra: dict = field(default_factory=dict)
 
@@ -61,7 +68,11 @@ class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.store = AliasStore(config.state_dir)
-        self.balancer = Balancer(config.agents)
+        self.balancer = Balancer(
+            config.agents,
+            unhealthy_after=config.unhealthy_after,
+            healthy_after=config.healthy_after,
+        )
         self.metrics = RouterMetrics()
         self.proxy: Proxy | None = None
         self.poller: HealthPoller | None = None
@@ -81,18 +92,21 @@ class RouterApp:
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI):
         # Pool keep-alive connections to the engines; no total timeout: generations are long.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        def session(**connector: object) -> aiohttp.ClientSession:
+            return aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, **connector),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
+
+        pooled = session(keepalive_timeout=self.config.upstream_keepalive_s)
+        fresh = session(force_close=True)
         self.poller = HealthPoller(
             self.balancer,
-            session,
+            pooled,
             interval_s=self.config.health_interval_s,
+            timeout_s=self.config.health_timeout_s,
             token=self.config.agent_token,
             on_change=self._export_health,
         )
@@ -102,7 +116,8 @@ class RouterApp:
             self.store,
             self.balancer,
             self.metrics,
-            session,
+            pooled,
+            fresh=fresh,
             api_key=self.config.api_key,
             unsafe_resolve_at_forward=self.config.unsafe_resolve_at_forward,
         )
@@ -111,7 +126,8 @@ class RouterApp:
         finally:
             self.proxy = None
             await self.poller.stop()
-            await session.close()
+            await pooled.close()
+            await fresh.close()
 
     def _export_health(self, balancer: Balancer) -> None:
         for r in balancer.replicas:
@@ -240,7 +256,7 @@ def _build_api(router: RouterApp) -> FastAPI:
                     engine_url=r.engine_url,
                     healthy=r.routable,
                     inflight=r.inflight,
-                    detail=r.detail if not r.suspect else "connection failed; awaiting health",
+                    detail=r.detail,
                 )
                 for r in balancer.replicas
             ]

@@ -1,4 +1,11 @@
-"""Replicas, in-flight accounting and replica choice (fewest outstanding, sticky sessions).
+"""Replicas, their health, in-flight accounting and replica choice.
+
+Choice is fewest outstanding requests, with sticky sessions. Health has hysteresis: a replica
+leaves rotation after ``unhealthy_after`` consecutive failures (health probes or real requests)
+and returns after ``healthy_after`` consecutive good probes, so one slow probe on a busy machine
+does not drop it. An agent's own "not ready" answer and a refused connection are definitive and
+take it out at once. When no replica of a version is in rotation, ``candidates`` falls back to
+trying all of them (a panic mode, as Envoy has) rather than refusing without trying.
 
 Everything here is synchronous on purpose: resolving a request and counting it in flight happen
 with no ``await`` in between, so a drain that starts after an alias flip sees every request that
@@ -26,14 +33,19 @@ class Replica:
     engine_url: str | None = None
     base_model: str | None = None
     healthy: bool = False
+    """In rotation. Changed only by ``Balancer.succeeded``/``failed`` (hysteresis)."""
     inflight: int = 0
     detail: str | None = "not polled yet"
-    # Set when a forward failed to connect; cleared by the next good health poll.
-    suspect: bool = False
+    failures: int = 0
+    """Consecutive failed probes or requests."""
+    successes: int = 0
+    """Consecutive good probes while out of rotation."""
+    probed: bool = False
+    """Whether a probe has answered yet: the first good one puts a new replica in at once."""
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.suspect and self.engine_url is not None
+        return self.healthy and self.engine_url is not None
 
 
 @dataclass
@@ -45,8 +57,12 @@ class _Drain:
 class Balancer:
     """The replica set plus exact in-flight counts per replica and per (name, version)."""
 
-    def __init__(self, agent_urls: list[str]) -> None:
+    def __init__(
+        self, agent_urls: list[str], *, unhealthy_after: int = 3, healthy_after: int = 2
+    ) -> None:
         self.replicas: list[Replica] = [Replica(agent_url=u.rstrip("/")) for u in agent_urls]
+        self.unhealthy_after = unhealthy_after
+        self.healthy_after = healthy_after
         self.by_id: dict[str, Replica] = {}
         self.sessions: OrderedDict[str, Replica] = OrderedDict()
         self.inflight: dict[tuple[str | None, int | None], _Drain] = {}
@@ -60,24 +76,52 @@ class Balancer:
     def base_models(self) -> set[str]:
         return {r.base_model for r in self.replicas if r.base_model}
 
+    # --- health --------------------------------------------------------------------------------
+
+    def succeeded(self, r: Replica, *, probe: bool) -> None:
+        """A good probe or a served request. Only probes bring a replica back into rotation."""
+        r.failures = 0
+        if r.healthy or not probe:
+            return
+        r.successes += 1
+        if r.successes >= self.healthy_after or not r.probed:
+            r.healthy, r.successes, r.detail = True, 0, None
+        r.probed = True
+
+    def failed(
+        self, r: Replica, detail: str, *, definitive: bool = False, probe: bool = True
+    ) -> None:
+        """A failed probe or request; ``definitive`` (refused, or the agent says not ready) takes
+        the replica out at once, anything else only after ``unhealthy_after`` in a row."""
+        r.successes = 0
+        r.failures += 1
+        r.detail = detail
+        r.probed = r.probed or probe
+        if r.healthy and (definitive or r.failures >= self.unhealthy_after):
+            r.healthy = False
+
     # --- choice --------------------------------------------------------------------------------
 
     def candidates(
         self, replica_ids: list[str] | None, base_model: str | None = None
     ) -> list[Replica]:
         """Routable replicas among ``replica_ids`` (None: any serving ``base_model``)."""
+        return [r for r in self.known(replica_ids, base_model) if r.healthy]
+
+    def known(self, replica_ids: list[str] | None, base_model: str | None = None) -> list[Replica]:
+        """Every replica among ``replica_ids`` with a known engine URL, healthy or not: what to
+        try when none is routable (a replica that looks unhealthy beats a 503 without trying)."""
         if replica_ids is None:
             return [
                 r
                 for r in self.replicas
-                if r.routable and (base_model is None or r.base_model == base_model)
+                if r.engine_url is not None and (base_model is None or r.base_model == base_model)
             ]
-        out = []
-        for rid in replica_ids:
-            r = self.by_id.get(rid)
-            if r is not None and r.routable:
-                out.append(r)
-        return out
+        return [
+            r
+            for r in (self.by_id.get(rid) for rid in replica_ids)
+            if r is not None and r.engine_url is not None
+        ]
 
     def pick(
         self, cands: list[Replica], session: str | None = None, exclude: Replica | None = None

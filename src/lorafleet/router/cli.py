@@ -33,6 +33,35 @@ __all__ = ["command"]
     help="Persist the alias table here (reloaded at startup).",
 )
 @click.option("--health-interval", default=0.5, show_default=True, type=float)
+@click.option(
+    "--health-timeout",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="Seconds an agent may take to answer a probe.",
+)
+@click.option(
+    "--unhealthy-after",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Consecutive failed probes or requests that take a replica out of rotation.",
+)
+@click.option(
+    "--healthy-after",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Consecutive good probes that bring it back.",
+)
+@click.option(
+    "--upstream-keepalive",
+    default=2.0,
+    show_default=True,
+    type=float,
+    help="Seconds an idle pooled connection to an engine or agent is kept (keep it below the "
+    "peers' own keep-alive, 5 s for uvicorn-based servers).",
+)
 @click.option("--log-level", default="warning", show_default=True)
 @click.option(
     "--unsafe-resolve-at-forward",
@@ -50,6 +79,10 @@ def command(
     agent_token: str | None,
     state_dir: str | None,
     health_interval: float,
+    health_timeout: float,
+    unhealthy_after: int,
+    healthy_after: int,
+    upstream_keepalive: float,
     log_level: str,
     unsafe_resolve_at_forward: float | None,
 ) -> None:
@@ -70,6 +103,10 @@ def command(
         agent_token=agent_token or control_token or None,
         state_dir=state_dir,
         health_interval_s=health_interval,
+        health_timeout_s=health_timeout,
+        unhealthy_after=unhealthy_after,
+        healthy_after=healthy_after,
+        upstream_keepalive_s=upstream_keepalive,
         unsafe_resolve_at_forward=unsafe_resolve_at_forward,
     )
     app = create_app(config)

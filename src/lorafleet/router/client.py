@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import httpx
 
-from lorafleet._http import bearer, map_transport_errors, raise_for_status
+from lorafleet._http import async_client, bearer, map_transport_errors, raise_for_status
 from lorafleet.protocol.router import (
     AliasEntry,
     AliasTable,
@@ -43,7 +43,7 @@ class AsyncRouterClient:
         self.base_url = base_url.rstrip("/")
         self._headers = bearer(token)
         self._owned = client is None
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
+        self._client = client or async_client(timeout=httpx.Timeout(30.0, connect=5.0))
 
     async def __aenter__(self) -> AsyncRouterClient:
         return self

@@ -1,7 +1,11 @@
 """Poll each agent for who its replica is (``/v1/info``) and whether it is ready (``/health``).
 
-A replica is in rotation only while its agent answers ``/health`` with 200. The agent reports
-not-ready until it has reinstalled its desired adapters, so "healthy" implies "holds them".
+Each replica is polled by its own loop, so a slow agent never delays the others. Outcomes go to
+the balancer, which applies the hysteresis: an agent that answers "not ready" (it is reinstalling
+adapters after an engine restart) leaves rotation at once, while a probe that times out or cannot
+connect counts as one failure of ``unhealthy_after``. The probe timeout is generous on purpose: on
+a busy machine an agent can take more than a second to answer, and that alone is no reason to
+drop a replica.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ __all__ = ["HealthPoller"]
 log = logging.getLogger("lorafleet.router.health")
 
 
+class _NotReady(Exception):
+    """The agent answered, and said it is not ready."""
+
+
 class HealthPoller:
     """Keeps ``balancer.replicas`` current; ``poll_once`` is also used at startup."""
 
@@ -29,6 +37,7 @@ class HealthPoller:
         session: aiohttp.ClientSession,
         *,
         interval_s: float = 0.5,
+        timeout_s: float = 5.0,
         token: str | None = None,
         on_change=None,
     ) -> None:
@@ -36,37 +45,48 @@ class HealthPoller:
         self.session = session
         self.interval_s = interval_s
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.timeout = aiohttp.ClientTimeout(total=max(1.0, 2 * interval_s))
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.on_change = on_change
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def _probe(self, r: Replica) -> None:
+        """Raise if the replica cannot take traffic; refresh its identity when needed."""
+        if r.engine_url is None or not r.healthy:
+            # (Re)learn identity when it is unknown or the replica was out: it may have come
+            # back with another engine URL.
+            async with self.session.get(
+                r.agent_url + "/v1/info", headers=self.headers, timeout=self.timeout
+            ) as resp:
+                if resp.status != 200:
+                    raise _NotReady(f"/v1/info answered {resp.status}")
+                info = AgentInfo.model_validate_json(await resp.read())
+            r.replica_id = info.replica_id
+            r.engine_url = info.engine_url.rstrip("/")
+            r.base_model = info.base_model
+        async with self.session.get(
+            r.agent_url + "/health", headers=self.headers, timeout=self.timeout
+        ) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise _NotReady(f"agent /health answered {resp.status}")
 
     async def _poll(self, r: Replica) -> None:
+        was = r.healthy
         try:
-            if r.engine_url is None or not r.healthy or r.suspect:
-                # (Re)learn identity when it is unknown, the replica was down or its engine
-                # refused connections: it may have come back with another engine URL.
-                async with self.session.get(
-                    r.agent_url + "/v1/info", headers=self.headers, timeout=self.timeout
-                ) as resp:
-                    if resp.status != 200:
-                        raise RuntimeError(f"/v1/info answered {resp.status}")
-                    info = AgentInfo.model_validate_json(await resp.read())
-                r.replica_id = info.replica_id
-                r.engine_url = info.engine_url.rstrip("/")
-                r.base_model = info.base_model
-            async with self.session.get(
-                r.agent_url + "/health", headers=self.headers, timeout=self.timeout
-            ) as resp:
-                await resp.read()
-                healthy = resp.status == 200
-                detail = None if healthy else f"agent /health answered {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
-            healthy, detail = False, f"{type(exc).__name__}: {exc}"
-        if healthy != r.healthy:
-            log.info("replica %s (%s) healthy=%s %s", r.replica_id, r.agent_url, healthy, detail)
-        r.healthy, r.detail = healthy, detail
-        if healthy:
-            r.suspect = False
+            await self._probe(r)
+        except _NotReady as exc:
+            self.balancer.failed(r, str(exc), definitive=True)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            self.balancer.failed(r, f"{type(exc).__name__}: {exc}")
+        else:
+            self.balancer.succeeded(r, probe=True)
+        if r.healthy != was:
+            log.info(
+                "replica %s (%s) healthy=%s %s", r.replica_id, r.agent_url, r.healthy, r.detail
+            )
+            self.balancer.reindex()
+            if self.on_change is not None:
+                self.on_change(self.balancer)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(r) for r in self.balancer.replicas))
@@ -74,19 +94,20 @@ class HealthPoller:
         if self.on_change is not None:
             self.on_change(self.balancer)
 
-    async def _run(self) -> None:
+    async def _run(self, r: Replica) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await self.poll_once()
+                await self._poll(r)
             except Exception:  # never let one bad poll stop health checking
-                log.exception("health poll failed")
+                log.exception("health poll of %s failed", r.agent_url)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._tasks = [asyncio.create_task(self._run(r)) for r in self.balancer.replicas]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await t

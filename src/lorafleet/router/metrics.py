@@ -48,6 +48,17 @@ class RouterMetrics:
             "Requests re-sent to another replica after a connection failure",
             registry=self.registry,
         )
+        self.stale_retries = Counter(
+            "lorafleet_router_stale_connection_retries",
+            "Requests re-sent on a fresh connection after a pooled one failed before any answer",
+            registry=self.registry,
+        )
+        self.panic = Counter(
+            "lorafleet_router_panic_routed",
+            "Requests sent to replicas that looked unhealthy, because no healthy one held the "
+            "version",
+            registry=self.registry,
+        )
         self._children: dict[tuple, tuple] = {}
         self._counters: dict[tuple, Counter] = {}
 

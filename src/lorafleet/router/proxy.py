@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import re
 import time
@@ -44,11 +45,12 @@ _DONE = b"data: [DONE]"
 # newline, so "\ndata: [DONE]" cannot be matched inside an event's content.
 _DONE_LINE = b"\n" + _DONE
 _MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
-# No response byte came back: safe to send the request to another replica.
+# A pooled connection the engine closed while idle (uvicorn closes keep-alive connections after
+# 5 s) fails like this when reused, before any response byte: resend once on a new connection.
+_STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# Nothing could be sent: the replica is down or unreachable; try another one.
 _CONNECT_ERRORS = (
     aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
     aiohttp.ServerTimeoutError,  # includes the connect timeout (aiohttp.ConnectionTimeoutError)
 )
 _FWD_HEADERS = {"Content-Type": "application/json"}
@@ -59,6 +61,11 @@ _STREAM_OBJECT = {
     "/v1/completions": "text_completion",
     "/v1/chat/completions": "chat.completion.chunk",
 }
+
+
+class _Unreachable(Exception):
+    def __init__(self, detail: str, refused: bool) -> None:
+        self.detail, self.refused = detail, refused
 
 
 @dataclass(slots=True)
@@ -88,6 +95,7 @@ class Proxy:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         *,
+        fresh: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
         unsafe_resolve_at_forward: float | None = None,
     ) -> None:
@@ -95,6 +103,8 @@ class Proxy:
         self.balancer = balancer
         self.metrics = metrics
         self.session = session
+        self.fresh = fresh or session
+        """No connection reuse: where a request goes again after a stale pooled connection."""
         self._key = api_key or None
         # Deliberately broken mode for the consistency checker's end-to-end test: re-read the
         # alias table this many seconds after arrival and forward to whatever is active then,
@@ -133,8 +143,13 @@ class Proxy:
                     data = body  # base model: pass the client's bytes through untouched
             cands = self.balancer.candidates(route.replicas, route.base_model)
             if not cands:
+                # Every replica holding this version looks unhealthy: try them anyway.
+                cands = self.balancer.known(route.replicas, route.base_model)
+                if cands:
+                    self.metrics.panic.inc()
+            if not cands:
                 what = f"{route.adapter} v{route.version}" if route.adapter else route.alias
-                raise NoReplica(f"no healthy replica serves {what!r} right now")
+                raise NoReplica(f"no replica serves {what!r} right now")
         except ServiceError as exc:
             await send_error(send, exc)
             return
@@ -231,6 +246,28 @@ class Proxy:
             (_H_REPLICA, (replica.replica_id or "").encode()),
         ]
 
+    async def _send(self, replica: Replica, path: str, data: bytes) -> aiohttp.ClientResponse:
+        """POST to one replica. Raises ``_Unreachable`` when nothing came back from it.
+
+        A reused connection that fails before the answer is no sign of a sick replica: the
+        request is sent again, once, on a fresh connection, and only that outcome counts.
+        """
+        url = replica.engine_url + path
+        try:
+            try:
+                return await self.session.post(url, data=data, headers=_FWD_HEADERS)
+            except _CONNECT_ERRORS:
+                raise
+            except _STALE_ERRORS:
+                self.metrics.stale_retries.inc()
+                return await self.fresh.post(url, data=data, headers=_FWD_HEADERS)
+        except (*_CONNECT_ERRORS, *_STALE_ERRORS) as exc:
+            refused = (
+                isinstance(exc, aiohttp.ClientConnectorError)
+                and getattr(exc.os_error, "errno", None) == errno.ECONNREFUSED
+            )
+            raise _Unreachable(f"{type(exc).__name__}: {exc}", refused) from exc
+
     async def _forward(
         self,
         scope,
@@ -244,7 +281,7 @@ class Proxy:
         stream: bool,
         generate: bool,
     ) -> int:
-        """Send to one replica, once more to another if the connection failed; the status."""
+        """Send to one replica, once more to another if it could not be reached; the status."""
         failed: Replica | None = None
         for _ in range(2):
             replica = self.balancer.pick(cands, session, exclude=failed)
@@ -253,15 +290,15 @@ class Proxy:
             replica.inflight += 1
             try:
                 try:
-                    resp = await self.session.post(
-                        replica.engine_url + path, data=data, headers=_FWD_HEADERS
-                    )
-                except _CONNECT_ERRORS:
-                    # Nothing came back: out of rotation until its agent says healthy again.
-                    replica.suspect = True
+                    resp = await self._send(replica, path, data)
+                except _Unreachable as exc:
+                    # Refused means nothing listens: out of rotation at once. A timeout or a
+                    # reset counts as one failure; a run of them takes the replica out.
+                    self.balancer.failed(replica, exc.detail, definitive=exc.refused, probe=False)
                     failed = replica
                     self.metrics.retries.inc()
                     continue
+                self.balancer.succeeded(replica, probe=False)
                 try:
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and resp.status == 200 and "text/event-stream" in ctype:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from lorafleet._http import error_message
+from lorafleet._http import async_client, error_message
 from lorafleet.errors import EngineRejected, EngineUnavailable, LorafleetError
 from lorafleet.protocol.agent import EngineCapabilities
 
@@ -69,7 +69,7 @@ class EngineBackend(ABC):
 
     def __init__(self, url: str, *, timeout: float = 60.0) -> None:
         self.url = url.rstrip("/")
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout)
+        self.http = async_client(base_url=self.url, timeout=timeout)
 
     async def aclose(self) -> None:
         await self.http.aclose()
