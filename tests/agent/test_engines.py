@@ -110,3 +110,14 @@ def test_vllm_backend_end_to_end(procs, vllm_server, tmp_path, peft_dir, peft_di
         call(agent, lambda c, name=name, v=v: c.unload(name, v))
     assert _engine_adapters(vllm_server.url) == set()
     assert list((agent.data_dir / "blobs" / "sha256").iterdir()) == []
+
+
+def test_engine_probes_stay_out_of_the_info_log(agent):
+    """The reconciler lists the engine's adapters twice a second; at the default log level
+    those requests must not fill the agent's log (they appear with --log-level debug)."""
+    import httpx
+
+    assert httpx.get(agent.url + "/health", timeout=10).status_code == 200  # probed and listed
+    log = agent.proc.log_path.read_text()
+    assert "Application startup complete" in log  # this is the agent's log, at INFO
+    assert "HTTP Request" not in log
