@@ -5,7 +5,13 @@ proceed in parallel. Records are written to the state DB before the call returns
 reconciler (and a restarted agent) knows what the engine should hold.
 
 States: ``staged`` (on disk, not in the engine), ``loaded`` (in the engine), ``active`` (loaded
-and the name's current version), ``failed`` (the engine refused it; ``error`` says why).
+and the name's current version), ``failed`` (the engine refused it; ``error`` says why),
+``retiring`` (an unload the engine did not answer: finished, engine first and files second, as
+soon as the engine answers again, by the next unload or by the reconciler).
+
+Leftovers of a publication that failed while an engine or agent was down (a version staged or
+loaded, never activated) never wedge the name: a publisher holding the name's lease opens the
+next upload with ``supersede`` and they are retired first.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from lorafleet.protocol.agent import (
     AdapterState,
     EngineCapabilities,
     LoadMode,
+    UploadSession,
     engine_name,
 )
 
@@ -103,7 +110,38 @@ class AdapterService:
             raise AdapterNotFound(f"no adapter {name!r} v{version} on this replica")
         return item
 
+    async def _clear_leftovers(self, manifest: Manifest, supersede: bool) -> None:
+        """Retire what stands in the way of ``manifest`` before it is staged (under the lock).
+
+        Always: records of this name being retired. With ``supersede``: never-activated,
+        versioned records of this version (other bytes) or newer, which only a failed
+        publication leaves, since a lease-holding publisher publishes above the active version.
+        Raises ``EngineUnavailable`` when one at this very version cannot be removed yet.
+        """
+        for item in self.db.by_name(manifest.name):
+            r = item.record
+            leftover = (
+                supersede
+                and r.version >= manifest.version
+                and r.state != AdapterState.ACTIVE
+                and r.mode == "versioned"
+                and not (r.version == manifest.version and r.digest == manifest.digest)
+            )
+            if r.state != AdapterState.RETIRING and not leftover:
+                continue
+            try:
+                await self._retire(item)
+            except EngineUnavailable:
+                if r.version == manifest.version:
+                    raise  # still in the way; the next attempt, once the engine is back, works
+
     # --- commit / register -----------------------------------------------------------------
+
+    async def open_upload(self, manifest: Manifest, *, supersede: bool = False) -> UploadSession:
+        """Open an upload session (see ``UploadManager.open``) once leftovers are cleared."""
+        async with self.locks[manifest.name]:
+            await self._clear_leftovers(manifest, supersede)
+            return self.uploads.open(manifest, self.check_version)
 
     async def commit(self, upload_id: str) -> AdapterRecord:
         s = self.uploads.get(upload_id)
@@ -128,7 +166,9 @@ class AdapterService:
                 self.uploads.gc_blobs(shas)
                 raise
 
-    async def register(self, manifest: Manifest, path: str) -> AdapterRecord:
+    async def register(
+        self, manifest: Manifest, path: str, *, supersede: bool = False
+    ) -> AdapterRecord:
         """Shared filesystem: verify ``path`` against ``manifest``, ingest into blobs, stage."""
         src = Path(path).resolve()
         if not self.allow or not any(src == a or a in src.parents for a in self.allow):
@@ -136,6 +176,7 @@ class AdapterService:
                 f"{path!r} (resolved {str(src)!r}) is outside the shared-filesystem allow-list",
             )
         async with self.locks[manifest.name]:
+            await self._clear_leftovers(manifest, supersede)
             self.check_version(manifest)
             self.uploads.admit(manifest)
             # Pinned from here until staged: blobs found present must not be collected by a
@@ -208,6 +249,8 @@ class AdapterService:
             ename = engine_name(name, version, mode)
             if rec.state in _IN_ENGINE and rec.mode == mode:
                 return rec  # idempotent
+            if rec.state == AdapterState.RETIRING:
+                raise AdapterConflict(f"{name!r} v{version} is being unloaded; publish it again")
             if rec.state in _IN_ENGINE:
                 raise AdapterConflict(
                     f"{name!r} v{version} is loaded as {rec.mode}; unload it before loading "
@@ -294,21 +337,54 @@ class AdapterService:
             return rec
 
     async def unload(self, name: str, version: int) -> AdapterRecord:
-        """Remove from the engine (if there), then the files: never the other way round."""
+        """Remove from the engine (if there), then the files: never the other way round.
+
+        Raises ``EngineUnavailable`` when the engine does not answer; the record is then
+        ``retiring`` and the agent finishes the unload once the engine answers (files stay
+        until then; see ``retire_pending``).
+        """
         async with self.locks[name]:
-            item = self._get(name, version)
-            rec = item.record
+            return await self._retire(self._get(name, version))
+
+    async def retire_pending(self) -> int:
+        """Finish the unloads the engine did not answer (the reconciler calls this); how many
+        records are gone now."""
+        done = 0
+        for item in self.db.all():
+            if item.record.state != AdapterState.RETIRING:
+                continue
+            async with self.locks[item.record.name]:
+                cur = self.db.get(item.record.name, item.record.version)
+                if cur is not None and cur.record.state == AdapterState.RETIRING:
+                    with contextlib.suppress(EngineUnavailable):
+                        await self._retire(cur)
+                        done += 1
+        return done
+
+    async def _retire(self, item: StoredAdapter) -> AdapterRecord:
+        """Engine first, then the record and the files (caller holds the name's lock)."""
+        rec = item.record
+        try:
             for ename in self._engine_names(item):
-                # Already gone (engine restarted, or never got there) is fine. Any other engine
-                # error propagates and the files stay: the engine may still hold them (promise 6).
+                # Already gone (engine restarted, or never got there) is fine.
                 with contextlib.suppress(AdapterMissing):
                     await self.backend.unload(ename)
-            self.db.delete(name, version)
-            shas = item.shas
-            await asyncio.to_thread(self.store.remove_adapter_dir, name, version, [])
-            self.uploads.gc_blobs(shas)
-            await self._update_usage()
-            return rec.model_copy(update={"state": AdapterState.STAGED})
+        except EngineUnavailable as exc:
+            # The engine may still hold the files (promise 6): keep them, and keep the wish.
+            retiring = rec.model_copy(
+                update={"state": AdapterState.RETIRING, "error": f"unload pending: {exc}"}
+            )
+            self.db.put(StoredAdapter(retiring, item.manifest))
+            raise EngineUnavailable(
+                f"{exc}; {rec.engine_name!r} stays until the engine answers, then this agent "
+                "unloads it and removes its files"
+            ) from exc
+        self.db.delete(rec.name, rec.version)
+        shas = item.shas
+        await asyncio.to_thread(self.store.remove_adapter_dir, rec.name, rec.version, [])
+        self.uploads.gc_blobs(shas)
+        await self._update_usage()
+        return rec.model_copy(update={"state": AdapterState.STAGED})
 
     def _engine_names(self, item: StoredAdapter) -> list[str]:
         """Engine names that may hold this version's files, to unload before deleting them.
@@ -324,7 +400,7 @@ class AdapterService:
             return [rec.engine_name]
         if rec.state == AdapterState.STAGED and rec.error is None:
             return []
-        names = [engine_name(rec.name, rec.version)]
+        names = list(dict.fromkeys([rec.engine_name, engine_name(rec.name, rec.version)]))
         if rec.mode == "in_place":
             plain = engine_name(rec.name, rec.version, "in_place")
             if plain not in names and self._holder(plain) is None:

@@ -202,7 +202,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     @app.post("/v1/uploads", status_code=201, dependencies=guard)
     async def open_upload(req: OpenUploadRequest) -> UploadSession:
         """Open an upload; refuses over-cap files, quota, bad paths and stale versions at once."""
-        return rt.uploads.open(req.manifest, rt.service.check_version)
+        return await rt.service.open_upload(req.manifest, supersede=req.supersede)
 
     @app.get("/v1/uploads/{upload_id}", dependencies=guard)
     async def upload_status(upload_id: str) -> UploadStatus:
@@ -267,7 +267,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
 
     @app.post("/v1/adapters/register", dependencies=guard)
     async def register(req: RegisterPathRequest) -> AdapterRecord:
-        return await rt.service.register(req.manifest, req.path)
+        return await rt.service.register(req.manifest, req.path, supersede=req.supersede)
 
     @app.post("/v1/adapters/load", dependencies=guard)
     async def load(req: LoadRequest) -> AdapterRecord:
@@ -279,6 +279,8 @@ def create_app(cfg: AgentConfig) -> FastAPI:
 
     @app.post("/v1/adapters/unload", dependencies=guard)
     async def unload(req: UnloadRequest) -> AdapterRecord:
+        """Gone from engine and store. 503 ``engine_unavailable`` when the engine does not
+        answer: the record is then ``retiring`` and the agent finishes once it answers."""
         return await rt.service.unload(req.name, req.version)
 
     @app.get("/v1/adapters")

@@ -106,8 +106,10 @@ class AsyncAgentClient:
 
     # --- uploads ---------------------------------------------------------------------------
 
-    async def open_upload(self, manifest: Manifest) -> UploadSession:
-        body = OpenUploadRequest(manifest=manifest).model_dump(mode="json")
+    async def open_upload(self, manifest: Manifest, *, supersede: bool = False) -> UploadSession:
+        """Open (or re-open) an upload; ``supersede`` retires a failed publication's leftovers
+        first (only for a publisher holding the name's lease)."""
+        body = OpenUploadRequest(manifest=manifest, supersede=supersede).model_dump(mode="json")
         resp = await self._request("POST", "/v1/uploads", json=body)
         return UploadSession.model_validate(resp.json())
 
@@ -167,8 +169,11 @@ class AsyncAgentClient:
     async def discard(self, upload_id: str) -> None:
         await self._request("DELETE", upload_url(upload_id))
 
-    async def register_path(self, manifest: Manifest, path: str | os.PathLike) -> AdapterRecord:
-        body = RegisterPathRequest(manifest=manifest, path=str(path)).model_dump(mode="json")
+    async def register_path(
+        self, manifest: Manifest, path: str | os.PathLike, *, supersede: bool = False
+    ) -> AdapterRecord:
+        req = RegisterPathRequest(manifest=manifest, path=str(path), supersede=supersede)
+        body = req.model_dump(mode="json")
         resp = await self._request("POST", "/v1/adapters/register", json=body)
         return AdapterRecord.model_validate(resp.json())
 
@@ -185,6 +190,8 @@ class AsyncAgentClient:
         return AdapterRecord.model_validate(resp.json())
 
     async def unload(self, name: str, version: int) -> AdapterRecord:
+        """Unload and delete ``name`` v``version``. ``EngineUnavailable``: the agent's engine did
+        not answer; the agent keeps the version ``retiring`` and finishes when it answers."""
         body = {"name": name, "version": version}
         resp = await self._request("POST", "/v1/adapters/unload", json=body)
         return AdapterRecord.model_validate(resp.json())

@@ -1,8 +1,9 @@
 """Keep the engine holding what the state DB says it should, without the trainer.
 
-Every ``interval`` seconds: ask the engine what it holds; every desired adapter (loaded or
-active) that is missing, or registered from another path, is reinstalled from the store under
-its name's lock. Readiness is false while the engine is unreachable or a pass has work left.
+Every ``interval`` seconds: ask the engine what it holds; finish the unloads it did not answer
+before (``retiring`` records: engine first, then files); reinstall, under its name's lock, every
+desired adapter (loaded or active) that is missing or registered from another path. Readiness is
+false while the engine is unreachable or a pass has work left.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Reconciler:
             self.detail = str(exc)
             return
         self.engine_reachable = True
+        if await svc.retire_pending():
+            held = await svc.backend.list_adapters()
         desired = [i for i in svc.db.all() if i.record.state in _DESIRED]
         keys = {(i.record.name, i.record.version) for i in desired}
         for key in list(self._retry):

@@ -14,7 +14,9 @@ Adapters::
     POST   /v1/adapters/register   RegisterPathRequest (shared filesystem) -> AdapterRecord
     POST   /v1/adapters/load       LoadRequest -> AdapterRecord ("loaded")
     POST   /v1/adapters/activate   ActivateRequest -> AdapterRecord ("active")
-    POST   /v1/adapters/unload     UnloadRequest -> AdapterRecord (removed from engine and store)
+    POST   /v1/adapters/unload     UnloadRequest -> AdapterRecord (removed from engine and store);
+                                   503 engine_unavailable: it stays "retiring" and the agent
+                                   removes it (engine first, then files) once the engine answers
     GET    /v1/adapters            -> AdapterList
     GET    /v1/info                -> AgentInfo        (open)
     GET    /health                 -> Health, 200 ready / 503 not ready (open)
@@ -84,6 +86,10 @@ class _Model(BaseModel):
 
 class OpenUploadRequest(_Model):
     manifest: Manifest
+    supersede: bool = False
+    """Remove this name's never-activated leftovers first (records of this version or newer
+    from a publication that failed, e.g. while an engine was down). Only a publisher that holds
+    the name's lease at the router may ask; otherwise a clash is refused (409)."""
 
 
 class UploadSession(_Model):
@@ -115,6 +121,8 @@ class RegisterPathRequest(_Model):
 
     manifest: Manifest
     path: str
+    supersede: bool = False
+    """As for ``OpenUploadRequest``."""
 
 
 class LoadRequest(_Model):
@@ -138,6 +146,9 @@ class AdapterState(str, Enum):
     LOADED = "loaded"
     ACTIVE = "active"
     FAILED = "failed"
+    RETIRING = "retiring"
+    """Unload requested while the engine did not answer: the agent finishes it (engine first,
+    then the files) as soon as the engine answers again."""
 
 
 class AdapterRecord(_Model):
