@@ -32,6 +32,8 @@ class Replica:
     replica_id: str | None = None
     engine_url: str | None = None
     base_model: str | None = None
+    kind: str = "vllm"
+    """The engine kind its agent reports: how requests must name an adapter there."""
     healthy: bool = False
     """In rotation. Changed only by ``Balancer.succeeded``/``failed`` (hysteresis)."""
     inflight: int = 0

@@ -63,6 +63,7 @@ class HealthPoller:
             r.replica_id = info.replica_id
             r.engine_url = info.engine_url.rstrip("/")
             r.base_model = info.base_model
+            r.kind = info.capabilities.kind
         async with self.session.get(
             r.agent_url + "/health", headers=self.headers, timeout=self.timeout
         ) as resp:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import re
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from lorafleet._service import check_token, send_error
+from lorafleet.dialects import address, model_field
 from lorafleet.errors import (
     BodyTooLarge,
     EngineUnavailable,
@@ -133,14 +135,9 @@ class Proxy:
                     break
             route = self.resolve(req.get("model"))
             if path == "/generate":
-                data, fwd_path = self._generate_body(req, route), "/v1/completions"
+                fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
             else:
-                fwd_path = path
-                if route.engine_name is not None:
-                    req["model"] = route.engine_name
-                    data = json.dumps(req).encode()
-                else:
-                    data = body  # base model: pass the client's bytes through untouched
+                fwd, fwd_path = req, path
             cands = self.balancer.candidates(route.replicas, route.base_model)
             if not cands:
                 # Every replica holding this version looks unhealthy: try them anyway.
@@ -158,15 +155,22 @@ class Proxy:
         status = 0
         try:
             if self.unsafe_delay is not None and route.adapter is not None:
-                data, cands = await self._unsafe_reresolve(req, route, cands)
+                route, cands = await self._unsafe_reresolve(route, cands)
             stream = req.get("stream") is True and path != "/generate"
-            fwd = self._forward(
-                scope, send, route, fwd_path, data, cands, session,
+            # A base-model request the router has nothing to change in goes out as the client's
+            # own bytes; everything else is addressed per replica, in its engine's dialect.
+            raw = (
+                body
+                if fwd is req and route.engine_name is None and "lora_path" not in req
+                else None
+            )
+            forwarding = self._forward(
+                scope, send, route, fwd_path, fwd, raw, cands, session,
                 stream=stream, generate=path == "/generate",
             )  # fmt: skip
             # Streams can be long: watch for the client leaving so the count stays exact and the
             # engine stops generating. Plain requests end when the engine answers anyway.
-            status = await (_watched(fwd, receive) if stream else fwd)
+            status = await (_watched(forwarding, receive) if stream else forwarding)
         finally:
             self.balancer.end(key)
             hist, _ = self.metrics.children(route.adapter, route.version)
@@ -208,16 +212,17 @@ class Proxy:
             return Route(model, None, None, None, None, model)
         raise NotFound(f"The model `{model}` does not exist.")
 
-    async def _unsafe_reresolve(self, req: dict, route: Route, cands: list[Replica]):
+    async def _unsafe_reresolve(self, route: Route, cands: list[Replica]):
         await asyncio.sleep(self.unsafe_delay or 0)
         entry = self.store.aliases.get(route.adapter or "")
         if entry is None:
-            return json.dumps(req).encode(), cands
-        req["model"] = entry.engine_name
-        return json.dumps(req).encode(), self.balancer.candidates(entry.replicas) or cands
+            return route, cands
+        moved = dataclasses.replace(route, engine_name=entry.engine_name, replicas=entry.replicas)
+        return moved, self.balancer.candidates(entry.replicas) or cands
 
     @staticmethod
-    def _generate_body(req: dict, route: Route) -> bytes:
+    def _generate_request(req: dict, route: Route) -> dict:
+        """SkyRL's ``{model, token_ids, sampling_params}`` as a token-id completion request."""
         ids = req.get("token_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise InvalidRequest("token_ids must be a non-empty int list")
@@ -227,10 +232,9 @@ class Proxy:
         if not isinstance(sp, dict):
             raise InvalidRequest("sampling_params must be an object")
         body = {**sp, "prompt": ids, "return_token_ids": True}
-        model = route.engine_name or route.alias
-        if model is not None:
-            body["model"] = model
-        return json.dumps(body).encode()
+        if route.alias is not None:
+            body["model"] = route.alias
+        return body
 
     def _tag(self, route: Route, replica: Replica, engine_model: bytes | None) -> bytes:
         tag = {"adapter": route.adapter, "version": route.version, "replica": replica.replica_id}
@@ -274,7 +278,8 @@ class Proxy:
         send,
         route: Route,
         path: str,
-        data: bytes,
+        req: dict,
+        raw: bytes | None,
         cands: list[Replica],
         session: str | None,
         *,
@@ -288,6 +293,12 @@ class Proxy:
             if replica is None:
                 break
             replica.inflight += 1
+            sent_model = model_field(replica.kind, replica.base_model, route.engine_name)
+            if raw is not None:
+                data = raw
+            else:
+                data = json.dumps(address(req, replica.kind, replica.base_model, route.engine_name))
+                data = data.encode()
             try:
                 try:
                     resp = await self._send(replica, path, data)
@@ -302,9 +313,9 @@ class Proxy:
                 try:
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
-                        await self._stream(send, route, replica, resp, scope["path"])
+                        await self._stream(send, route, replica, resp, scope["path"], sent_model)
                     else:
-                        await self._whole(send, route, replica, resp, generate)
+                        await self._whole(send, route, replica, resp, generate, sent_model)
                     return resp.status
                 except BaseException:
                     resp.close()  # never return a half-read connection to the pool
@@ -322,22 +333,28 @@ class Proxy:
         return 503
 
     async def _whole(
-        self, send, route: Route, replica: Replica, resp: aiohttp.ClientResponse, generate: bool
+        self,
+        send,
+        route: Route,
+        replica: Replica,
+        resp: aiohttp.ClientResponse,
+        generate: bool,
+        sent_model: str | None,
     ) -> None:
         body = await resp.read()
         headers = self._tag_headers(route, replica)
         ctype = resp.headers.get("Content-Type", "application/json")
+        rename = route.engine_name is not None and route.alias is not None and sent_model
+        if resp.status != 200 and rename:
+            # An engine's error must not show a client the engine-side names (policy@v3).
+            for internal in {sent_model, route.engine_name}:
+                body = body.replace(_esc(internal), _esc(route.alias))
         if resp.status == 200 and ctype.startswith("application/json"):
             if generate:
                 body = self._generate_answer(body, route)
             m = _MODEL_RE.search(body)
             engine_model = m.group(1) if m else None
-            if (
-                m
-                and route.alias is not None
-                and route.engine_name is not None
-                and engine_model == route.engine_name.encode()
-            ):
+            if m and rename and engine_model == _esc(sent_model):
                 body = body[: m.start(1)] + _esc(route.alias) + body[m.end(1) :]
             body = body.rstrip()
             if body.endswith(b"}"):
@@ -371,14 +388,15 @@ class Proxy:
         replica: Replica,
         resp: aiohttp.ClientResponse,
         path: str,
+        sent_model: str | None,
     ) -> None:
         headers = self._tag_headers(route, replica)
         headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
         headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        rewrite = route.engine_name is not None and route.alias is not None
+        rewrite = route.engine_name is not None and route.alias is not None and sent_model
         if rewrite:
-            eng, ali = _esc(route.engine_name), _esc(route.alias)
+            eng, ali = _esc(sent_model), _esc(route.alias)
             pairs = [
                 (b'"model":"' + eng + b'"', b'"model":"' + ali + b'"'),
                 (b'"model": "' + eng + b'"', b'"model": "' + ali + b'"'),
