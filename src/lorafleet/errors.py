@@ -32,6 +32,7 @@ LorafleetError
 │   ├── AdapterInvalid            422 adapter_invalid       (also a BundleError; .problems)
 │   ├── InternalError             500 internal_error
 │   ├── EngineRejected            502 engine_rejected
+│   │   └── AdapterNotApplied     502 adapter_not_applied   (loaded, but outputs are the base's)
 │   ├── Unavailable               503
 │   │   ├── EngineUnavailable     503 engine_unavailable
 │   │   └── NoReplica             503 no_replica
@@ -54,6 +55,7 @@ from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorCode
 __all__ = [
     "AdapterConflict",
     "AdapterInvalid",
+    "AdapterNotApplied",
     "AdapterNotFound",
     "BodyTooLarge",
     "BundleError",
@@ -363,6 +365,12 @@ class EngineRejected(ServiceError):
         self = super()._from_wire(message, **kw)
         self.engine_status = None  # type: ignore[attr-defined]
         return self
+
+
+class AdapterNotApplied(EngineRejected):
+    """The engine took the adapter but answers as the base model when asked for it."""
+
+    code = ErrorCode.ADAPTER_NOT_APPLIED
 
 
 class Unavailable(ServiceError):

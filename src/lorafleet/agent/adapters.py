@@ -31,14 +31,17 @@ from lorafleet.agent.backends import (
     EngineUnavailable,
 )
 from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.probe import ApplicationProbe
 from lorafleet.agent.state import StateDB, StoredAdapter
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadManager
 from lorafleet.bundle import config_rank, validate_adapter_dir
+from lorafleet.bundle.delta import lora_delta_bound
 from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest
 from lorafleet.errors import (
     AdapterConflict,
     AdapterInvalid,
+    AdapterNotApplied,
     AdapterNotFound,
     IntegrityError,
     InvalidRequest,
@@ -58,6 +61,16 @@ from lorafleet.protocol.agent import (
 )
 
 __all__ = ["AdapterService"]
+
+
+def _delta_bound(path: Path, config: dict) -> float | None:
+    """The staged adapter's delta bound, or None when it cannot be read here."""
+    weights = path / "adapter_model.safetensors"
+    try:
+        return lora_delta_bound(weights, config) if weights.is_file() else None
+    except Exception:  # validation judges the file; an unknown bound only weakens the probe
+        return None
+
 
 _IN_ENGINE = (AdapterState.LOADED, AdapterState.ACTIVE)
 
@@ -81,6 +94,8 @@ class AdapterService:
         self.metrics = metrics
         self.allow = [Path(p).resolve() for p in shared_fs_allow or []]
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.probe: ApplicationProbe | None = None
+        """Set once the engine has been probed (its kind and base model are known)."""
 
     # --- checks ----------------------------------------------------------------------------
 
@@ -235,6 +250,7 @@ class AdapterService:
             mode="versioned",
             state=AdapterState.STAGED,
             path=str(path),
+            delta_bound=await asyncio.to_thread(_delta_bound, path, m.config),
         )
         self.db.put(StoredAdapter(rec, m))
         await self._update_usage()
@@ -320,6 +336,30 @@ class AdapterService:
             if i.record.engine_name == ename and i.record.state in _IN_ENGINE:
                 return i
         return None
+
+    async def verify(self, name: str, version: int) -> AdapterRecord:
+        """Check that the engine applies this loaded version, addressed as the router will.
+
+        Records the outcome on the record. Raises ``AdapterNotApplied`` when the engine answers
+        as the base model for a version whose delta should show, ``EngineUnavailable`` when the
+        probe cannot run, ``AdapterConflict`` when the version is not in the engine.
+        """
+        if self.probe is None:
+            raise EngineUnavailable("the engine has not been probed yet")
+        async with self.locks[name]:
+            item = self._get(name, version)
+            rec = item.record
+            if rec.state not in _IN_ENGINE:
+                raise AdapterConflict(
+                    f"{name!r} v{version} is {rec.state.value}; load it before verifying"
+                )
+            verdict = await self.probe.check(rec.engine_name, rec.delta_bound)
+            self.metrics.application_checks.labels(verdict.outcome).inc()
+            rec = rec.model_copy(update={"application": verdict.outcome})
+            self.db.put(StoredAdapter(rec, item.manifest))
+            if verdict.outcome == "not_applied":
+                raise AdapterNotApplied(f"{name!r} v{version}: {verdict.detail}")
+            return rec
 
     async def activate(self, name: str, version: int) -> AdapterRecord:
         async with self.locks[name]:

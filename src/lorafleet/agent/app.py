@@ -27,6 +27,7 @@ from lorafleet._service import (
 from lorafleet.agent.adapters import AdapterService
 from lorafleet.agent.backends import EngineBackend, EngineUnavailable, make_backend
 from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.probe import ApplicationProbe
 from lorafleet.agent.reconcile import Reconciler
 from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
@@ -48,6 +49,7 @@ from lorafleet.protocol.agent import (
     UnloadRequest,
     UploadSession,
     UploadStatus,
+    VerifyRequest,
 )
 
 __all__ = ["AgentConfig", "create_app"]
@@ -144,9 +146,19 @@ class Runtime:
         self.service.caps = probe.capabilities
         if not self.cfg.served_model_name:
             self.base_model = probe.base_model
+        self.service.probe = ApplicationProbe(self.backend.http, self.caps.kind, self.base_model)
+        # The base model's logprobs, measured now: a vLLM server's first prompt-logprobs
+        # request can take tens of seconds, which belongs to startup, not to a publication.
+        self._tasks.append(asyncio.create_task(self._warm_probe(), name="probe-baseline"))
         self.probed = True
         self.probe_detail = None
         self.reconciler.start()
+
+    async def _warm_probe(self) -> None:
+        try:
+            await self.service.probe.baseline()
+        except Exception as exc:  # measured again on the first check
+            log.warning("application probe baseline failed: %s", exc)
 
     async def _reap_forever(self) -> None:
         period = max(0.2, min(self.cfg.limits.ttl_s / 4, 5.0))
@@ -272,6 +284,12 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     @app.post("/v1/adapters/load", dependencies=guard)
     async def load(req: LoadRequest) -> AdapterRecord:
         return await rt.service.load(req.name, req.version, req.mode)
+
+    @app.post("/v1/adapters/verify", dependencies=guard)
+    async def verify(req: VerifyRequest) -> AdapterRecord:
+        """Check that the engine applies the loaded version, addressed as the router will; 502
+        ``adapter_not_applied`` if it answers as the base model."""
+        return await rt.service.verify(req.name, req.version)
 
     @app.post("/v1/adapters/activate", dependencies=guard)
     async def activate(req: ActivateRequest) -> AdapterRecord:

@@ -184,6 +184,13 @@ class AsyncAgentClient:
         resp = await self._request("POST", "/v1/adapters/load", json=body)
         return AdapterRecord.model_validate(resp.json())
 
+    async def verify(self, name: str, version: int) -> AdapterRecord:
+        """Ask the agent to check that its engine applies the loaded version (the record's
+        ``application``). Raises ``AdapterNotApplied`` when it answers as the base model."""
+        body = {"name": name, "version": version}
+        resp = await self._request("POST", "/v1/adapters/verify", json=body)
+        return AdapterRecord.model_validate(resp.json())
+
     async def activate(self, name: str, version: int) -> AdapterRecord:
         body = {"name": name, "version": version}
         resp = await self._request("POST", "/v1/adapters/activate", json=body)

@@ -39,6 +39,12 @@ class Metrics:
             "Adapters reinstalled into the engine by the reconciler",
             registry=r,
         )
+        self.application_checks = Counter(
+            "lorafleet_agent_application_checks",
+            "Application probes before a cutover, by outcome (applied, unverifiable, not_applied)",
+            ["outcome"],
+            registry=r,
+        )
         self.store_bytes = Gauge(
             "lorafleet_agent_store_bytes", "Bytes held in the blob store and staging", registry=r
         )

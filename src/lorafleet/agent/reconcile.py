@@ -69,6 +69,8 @@ class Reconciler:
             self.engine_reachable = False
             self.pending = True
             self.detail = str(exc)
+            if svc.probe is not None:
+                svc.probe.reset()  # a restarted engine gets its baseline measured again
             return
         self.engine_reachable = True
         if await svc.retire_pending():

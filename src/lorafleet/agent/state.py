@@ -25,9 +25,13 @@ CREATE TABLE IF NOT EXISTS adapters (
     path TEXT NOT NULL,
     error TEXT,
     manifest TEXT NOT NULL,
+    application TEXT NOT NULL DEFAULT 'unchecked',
+    delta_bound REAL,
     PRIMARY KEY (name, version)
 )
 """
+# Columns added after the first release, for state.db files an older agent wrote.
+_ADDED = {"application": "TEXT NOT NULL DEFAULT 'unchecked'", "delta_bound": "REAL"}
 
 
 class StoredAdapter:
@@ -48,6 +52,10 @@ class StateDB:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(adapters)")}
+        for column, decl in _ADDED.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE adapters ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         self._db.close()
@@ -55,7 +63,8 @@ class StateDB:
     def put(self, item: StoredAdapter) -> None:
         r = item.record
         self._db.execute(
-            "INSERT OR REPLACE INTO adapters VALUES (?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO adapters (name, version, digest, engine_name, mode, state, "
+            "path, error, manifest, application, delta_bound) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (
                 r.name,
                 r.version,
@@ -66,6 +75,8 @@ class StateDB:
                 r.path,
                 r.error,
                 item.manifest.model_dump_json(),
+                r.application,
+                r.delta_bound,
             ),
         )
 
@@ -84,12 +95,13 @@ class StateDB:
 
     def _select(self, where: str, args: tuple) -> list[StoredAdapter]:
         cur = self._db.execute(
-            "SELECT name, version, digest, engine_name, mode, state, path, error, manifest "
-            f"FROM adapters {where}",
+            "SELECT name, version, digest, engine_name, mode, state, path, error, manifest, "
+            f"application, delta_bound FROM adapters {where}",
             args,
         )
         out = []
-        for name, version, digest, ename, mode, state, path, error, manifest in cur.fetchall():
+        for row in cur.fetchall():
+            name, version, digest, ename, mode, state, path, error, manifest, app, bound = row
             rec = AdapterRecord(
                 name=name,
                 version=version,
@@ -99,6 +111,8 @@ class StateDB:
                 state=AdapterState(state),
                 path=path,
                 error=error,
+                application=app,
+                delta_bound=bound,
             )
             out.append(StoredAdapter(rec, Manifest.model_validate_json(manifest)))
         return out

@@ -13,6 +13,8 @@ Adapters::
 
     POST   /v1/adapters/register   RegisterPathRequest (shared filesystem) -> AdapterRecord
     POST   /v1/adapters/load       LoadRequest -> AdapterRecord ("loaded")
+    POST   /v1/adapters/verify     VerifyRequest -> AdapterRecord (``application`` set); 502
+                                   adapter_not_applied when the engine ignores the adapter
     POST   /v1/adapters/activate   ActivateRequest -> AdapterRecord ("active")
     POST   /v1/adapters/unload     UnloadRequest -> AdapterRecord (removed from engine and store);
                                    503 engine_unavailable: it stays "retiring" and the agent
@@ -41,6 +43,7 @@ __all__ = [
     "AdapterRecord",
     "AdapterState",
     "AgentInfo",
+    "Application",
     "EngineCapabilities",
     "FileEntry",
     "FileProgress",
@@ -53,6 +56,7 @@ __all__ = [
     "UnloadRequest",
     "UploadSession",
     "UploadStatus",
+    "VerifyRequest",
     "engine_name",
     "file_url",
     "upload_url",
@@ -65,6 +69,7 @@ REPR_DIGEST_HEADER = "Repr-Digest"
 CONTENT_DIGEST_HEADER = "Content-Digest"
 
 LoadMode = Literal["versioned", "in_place"]
+Application = Literal["unchecked", "applied", "unverifiable", "not_applied"]
 
 
 def engine_name(name: str, version: int, mode: LoadMode = "versioned") -> str:
@@ -131,6 +136,11 @@ class LoadRequest(_Model):
     mode: LoadMode = "versioned"
 
 
+class VerifyRequest(_Model):
+    name: str
+    version: int = Field(ge=1)
+
+
 class ActivateRequest(_Model):
     name: str
     version: int = Field(ge=1)
@@ -160,6 +170,11 @@ class AdapterRecord(_Model):
     state: AdapterState
     path: str
     error: str | None = None
+    application: Application = "unchecked"
+    """Whether the engine was seen to apply it: ``applied``, ``unverifiable`` (its delta is zero
+    or too small to show), ``not_applied``, or ``unchecked``."""
+    delta_bound: float | None = None
+    """Upper bound on the entries of its weight delta (0: it changes nothing; None: unknown)."""
 
 
 class AdapterList(_Model):

@@ -50,6 +50,7 @@ class ErrorCode:
     DIGEST_MISMATCH = "digest_mismatch"
     ADAPTER_INVALID = "adapter_invalid"
     ENGINE_REJECTED = "engine_rejected"
+    ADAPTER_NOT_APPLIED = "adapter_not_applied"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     NO_REPLICA = "no_replica"
     INTERNAL = "internal_error"
@@ -77,6 +78,7 @@ STATUS_BY_CODE: dict[str, int] = {
     ErrorCode.DIGEST_MISMATCH: 422,
     ErrorCode.ADAPTER_INVALID: 422,
     ErrorCode.ENGINE_REJECTED: 502,
+    ErrorCode.ADAPTER_NOT_APPLIED: 502,
     ErrorCode.ENGINE_UNAVAILABLE: 503,
     ErrorCode.NO_REPLICA: 503,
     ErrorCode.INTERNAL: 500,
