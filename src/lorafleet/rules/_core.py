@@ -139,6 +139,8 @@ class Rulebook:
 
 def _all_refuse(variants: Sequence[Rule]) -> Check:
     """A check that finds a problem only when every variant does; in the first one's words."""
+    if all(v is variants[0] for v in variants):  # lorafleet's own rules: one rule in every book
+        variants = variants[:1]
 
     def check(facts: AdapterFacts, limits: EngineLimits, who: str) -> Iterable[Finding]:
         first = variants[0].evaluate(facts, limits, who)
@@ -154,11 +156,10 @@ def shared_rulebook(books: Sequence[Rulebook], *, who: str = "any engine") -> Ru
 
     A rule whose key is missing from any book is dropped: some engine kind accepts it.
     """
-    first, rest = books[0], books[1:]
     rules = []
-    for rule in first.rules:
-        variants = [rule, *(b.rule(rule.key) for b in rest)]
-        if all(v is not None for v in variants):
-            rules.append(Rule(rule.key, rule.stage, _all_refuse(variants)))  # type: ignore[arg-type]
-    source = "the rules " + ", ".join(b.kind for b in books) + " share"
+    for rule in books[0].rules:
+        variants = [v for v in (b.rule(rule.key) for b in books) if v is not None]
+        if len(variants) == len(books):
+            rules.append(Rule(rule.key, rule.stage, _all_refuse(variants)))
+    source = "what every engine kind refuses (" + ", ".join(b.kind for b in books) + ")"
     return Rulebook("shared", who, source, tuple(rules))
