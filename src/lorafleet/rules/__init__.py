@@ -17,19 +17,17 @@
 - Besides the engines' rules, every book holds lorafleet's own: tensors are LoRA A/B pairs whose
   shapes agree with ``r``/``rank_pattern`` and whose modules are in ``target_modules``.
 
-Where the engines differ (details and sources in each module's docstring):
+Where the engines differ (vLLM 0.32 and the reference engine / SGLang 0.5.23; details and
+sources in each module's docstring):
 
-=====================  ==========================  ======================================
-topic                  vLLM 0.32 / reference        SGLang 0.5.23
-=====================  ==========================  ======================================
-init_lora_weights      plain inits, eva included;   the same (SGLang ignores the key; the
-                       PiSSA/OLoRA/CorDA/LoftQ no    base-modifying inits would be wrong)
-modules_to_save        None or classifier/score     none (SGLang drops full modules)
-peft_type              never read (ref.: LORA)      required, LORA
-target_modules str     any regex, "all-linear"      only "all" / "all-linear"
-use_rslora             yes                          no (scales by alpha/r)
-rank/alpha_pattern     yes                          no (one r, one alpha for every module)
-=====================  ==========================  ======================================
+- ``init_lora_weights``: the plain inits (gaussian, eva, orthogonal, mica, lora_ga) pass
+  everywhere; PiSSA, OLoRA, CorDA and LoftQ are refused everywhere (vLLM itself refuses them;
+  SGLang ignores the key and would serve them over the unmodified base).
+- ``modules_to_save``: None or a classifier/score head / none at all (SGLang drops full modules).
+- ``peft_type``: never read (the reference engine needs LORA) / required, LORA.
+- a string ``target_modules``: any regex or "all-linear" / only "all" or "all-linear".
+- ``use_rslora``, ``rank_pattern``, ``alpha_pattern``: honoured / refused (SGLang scales every
+  module by lora_alpha/r and sizes it by r).
 """
 
 from __future__ import annotations
