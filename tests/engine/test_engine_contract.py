@@ -369,3 +369,55 @@ def test_path_with_dir_missing_tensors_is_refused(engine, loaded, adapters, tmp_
     r = loaded.load(loaded.name("bare"), bare)
     assert r.status_code in (404, 500), r.text
     assert "doesn't contain tensors" in r.json()["error"]["message"] or r.status_code == 404
+
+
+# --- adapter rules where lorafleet's validators used to disagree (lorafleet.rules.vllm) ---------
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_eva_init_is_accepted(engine, loaded, adapters, tiny_model, tmp_path):
+    """vLLM 0.32 ``PEFTHelper._init_is_supported`` lists "eva": it only initialises the adapter,
+    so a saved EVA adapter is a plain LoRA (peft 0.21 ``LoraLayer.update_layer``)."""
+    eva = _with_config(adapters["c"], tmp_path / "eva", init_lora_weights="eva")
+    name = loaded.name("eva")
+    r = loaded.load(name, eva)
+    assert r.status_code == 200, r.text
+    prompt = "An EVA adapter"
+    got = complete(engine, model=name, prompt=prompt)["choices"][0]["text"]
+    assert got == expected(str(tiny_model), str(adapters["c"]), prompt)
+
+
+def test_base_modifying_init_is_refused(engine, loaded, adapters, tmp_path):
+    """vLLM 0.32 ``PEFTHelper._validate_features``: PiSSA-style inits modify the base weights.
+    The refusal comes back wrapped by vLLM's worker RPC (``v1/engine/core.py``)."""
+    pissa = _with_config(adapters["c"], tmp_path / "pissa", init_lora_weights="pissa")
+    name = loaded.name("pissa")
+    msg = error_of(loaded.load(name, pissa), 500)
+    assert msg.startswith(
+        "Call to add_lora method failed: Worker failed with error 'vLLM does not support "
+        "init_lora_weights='pissa'. Inits such as PiSSA, OLoRA, CorDA and LoftQ modify the base "
+    )
+    assert name not in model_ids(engine)
+
+
+def test_modules_to_save_only_a_classifier_head(engine, loaded, adapters, tmp_path):
+    """vLLM 0.32 ``PEFTHelper._validate_features`` allows modules_to_save of None or a
+    "classifier"/"score" head, and refuses anything else in these words."""
+    lm_head = _with_config(adapters["c"], tmp_path / "lm-head", modules_to_save=["lm_head"])
+    msg = error_of(loaded.load(loaded.name("lm-head"), lm_head), 500)
+    assert msg == (
+        "Call to add_lora method failed: Worker failed with error 'vLLM only supports "
+        'modules_to_save being either None or ["classifier", "score"] for classification models. '
+        "Unsupported modules_to_save: ['lm_head']', please check the stack trace above for the "
+        "root cause"
+    )
+    # The config names a head, but no head's weights were saved: vLLM loads the LoRA weights.
+    score = _with_config(adapters["c"], tmp_path / "score", modules_to_save=["score"])
+    assert loaded.load(loaded.name("score"), score).status_code == 200

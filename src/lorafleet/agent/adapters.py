@@ -232,8 +232,13 @@ class AdapterService:
         if ADAPTER_CONFIG not in files:
             extra[ADAPTER_CONFIG] = json.dumps(m.config, indent=2, sort_keys=True).encode()
         path = await asyncio.to_thread(self.store.assemble, m.name, m.version, files, extra)
+        # This engine kind's rules: what it refuses, and what it would serve wrong.
         report = await asyncio.to_thread(
-            validate_adapter_dir, path, config=m.config, max_rank=self.caps.max_lora_rank
+            validate_adapter_dir,
+            path,
+            config=m.config,
+            max_rank=self.caps.max_lora_rank,
+            engine=self.caps.kind,
         )
         if not report.ok:
             await asyncio.to_thread(shutil.rmtree, path, True)

@@ -27,6 +27,7 @@ from lorafleet.bundle.validate import (
     validate_adapter_dir,
 )
 from lorafleet.errors import ManifestInvalid
+from lorafleet.rules import EngineKind
 
 __all__ = ["AdapterBundle", "normalize_lora_keys", "peft_config_dict"]
 
@@ -133,15 +134,26 @@ class AdapterBundle:
                 os.fsync(dst.fileno())
         return out
 
-    def validate(self, *, max_rank: int | None = None) -> ValidationReport:
-        """Validate the config and tensors (see ``lorafleet.bundle.validate``)."""
+    def validate(
+        self, *, max_rank: int | None = None, engine: EngineKind | None = None
+    ) -> ValidationReport:
+        """Validate the config and tensors (see ``lorafleet.bundle.validate``).
+
+        ``engine``: the engine kind whose rulebook applies; None: what every engine kind refuses.
+        """
         weights = tuple(p for p in (SAFETENSORS, BIN) if p in self.sources)
         if self.tensor_shapes is not None:
             return check_adapter(
-                self.config, self.tensor_shapes, max_rank=max_rank, weight_files=weights
+                self.config,
+                self.tensor_shapes,
+                max_rank=max_rank,
+                weight_files=weights,
+                engine=engine,
             )
         assert self.source_dir is not None
-        return validate_adapter_dir(self.source_dir, config=self.config, max_rank=max_rank)
+        return validate_adapter_dir(
+            self.source_dir, config=self.config, max_rank=max_rank, engine=engine
+        )
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from lorafleet.errors import BundleError
+from lorafleet.rules import ENGINE_KINDS, EngineKind, rulebook
 
 
 def _load_config(path: str | None) -> dict | None:
@@ -54,9 +55,21 @@ def _bundle_from_file(path: Path, config: dict, name: str, version: int):
 @click.option("--name", default="adapter", show_default=True)
 @click.option("--version", "version", default=1, show_default=True, type=int)
 @click.option("--max-rank", type=int, default=None, help="The engine's max_lora_rank.")
+@click.option(
+    "--engine",
+    type=click.Choice(ENGINE_KINDS),
+    default=None,
+    help="Validate with this engine kind's rules (default: what every engine kind refuses).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect_command(
-    path: str, config_path: str | None, name: str, version: int, max_rank: int | None, as_json: bool
+    path: str,
+    config_path: str | None,
+    name: str,
+    version: int,
+    max_rank: int | None,
+    engine: EngineKind | None,
+    as_json: bool,
 ) -> None:
     """Print the manifest of the adapter at PATH and validate it (exit 1 if invalid).
 
@@ -69,7 +82,7 @@ def inspect_command(
     p = Path(path)
     try:
         if p.is_dir():
-            report = validate_adapter_dir(p, config=config, max_rank=max_rank)
+            report = validate_adapter_dir(p, config=config, max_rank=max_rank, engine=engine)
             bundle = None
             if report.ok:
                 bundle = AdapterBundle.from_dir(p, name=name, version=version, config=config)
@@ -77,7 +90,7 @@ def inspect_command(
             if config is None:
                 raise click.UsageError("a checkpoint file needs --config")
             bundle = _bundle_from_file(p, config, name, version)
-            report = bundle.validate(max_rank=max_rank)
+            report = bundle.validate(max_rank=max_rank, engine=engine)
             report.preloadable = False  # a bare file is never an engine-readable directory
     except BundleError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -88,6 +101,7 @@ def inspect_command(
                 {
                     "manifest": bundle.manifest.model_dump(mode="json") if bundle else None,
                     "digest": bundle.digest if bundle else None,
+                    "rules": rulebook(engine).kind,
                     "valid": report.ok,
                     "preloadable": report.preloadable,
                     "problems": report.problems,
@@ -107,6 +121,7 @@ def inspect_command(
             for f in bundle.files:
                 click.echo(f"  {f.path:<28} {f.size:>12} B  sha256:{f.sha256}")
         click.echo(f"rank:        {report.rank}   tensors: {report.tensors}")
+        click.echo(f"rules:       {rulebook(engine).source}")
         click.echo(f"preloadable: {'yes' if report.preloadable else 'no'}")
         if report.ok:
             click.echo("valid:       yes")

@@ -1,15 +1,15 @@
 """Validation of an adapter before anything leaves the trainer, and again on the agent.
 
-One message per problem, in the words an operator needs. The checks mirror what vLLM's
-``PEFTHelper`` and ``LoRAModel.from_local_checkpoint`` refuse (research/vllm-and-fleet-managers.md
-§1.5), so a bad adapter is stopped here instead of producing 500s across a fleet.
+One message per problem, in the words an operator needs. The rules are the engines' own
+(``lorafleet.rules``: one rulebook per engine kind). The trainer checks what every engine kind
+refuses; each agent checks its own engine's rulebook, so a bad adapter is stopped before it
+produces refusals, or wrong outputs, across a fleet.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any
 
 from lorafleet.bundle.manifest import ADAPTER_CONFIG
 from lorafleet.errors import AdapterInvalid
+from lorafleet.rules import AdapterFacts, EngineKind, EngineLimits, declared_rank, rulebook
 
 __all__ = [
     "ValidationReport",
@@ -28,10 +29,6 @@ __all__ = [
 
 SAFETENSORS = "adapter_model.safetensors"
 BIN = "adapter_model.bin"
-
-# base_model.model.<module path>.lora_A[.<adapter>].weight
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
-_UNSUPPORTED_INIT = ("pissa", "olora", "loftq", "corda", "eva")
 
 
 @dataclass
@@ -81,134 +78,44 @@ def config_rank(config: Mapping[str, Any]) -> int | None:
     return max(valid) if valid else None
 
 
-def _module_matches(module: str, targets: Any) -> bool:
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            return True
-        return re.fullmatch(targets, module) is not None
-    leaf = module.rsplit(".", 1)[-1]
-    return any(module == t or leaf == t or module.endswith("." + t) for t in targets)
-
-
-def _check_config(config: Mapping[str, Any], max_rank: int | None) -> tuple[list[str], int | None]:
-    problems: list[str] = []
-    peft_type = config.get("peft_type")
-    if peft_type is not None and str(peft_type).upper() != "LORA":
-        problems.append(f"peft_type is {peft_type!r}; only LORA adapters are supported")
-    missing = [k for k in ("r", "lora_alpha", "target_modules") if config.get(k) in (None, "", [])]
-    if missing:
-        problems.append(f"adapter config is missing required keys: {', '.join(missing)}")
-    r = config.get("r")
-    ranks: list[int] = []
-    if r is not None:
-        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-            problems.append(f"r must be a positive integer, got {r!r}")
-        else:
-            ranks.append(r)
-    for mod, pr in (config.get("rank_pattern") or {}).items():
-        if not isinstance(pr, int) or pr <= 0:
-            problems.append(f"rank_pattern[{mod!r}] must be a positive integer, got {pr!r}")
-        else:
-            ranks.append(pr)
-    if config.get("use_dora"):
-        problems.append("DoRA (use_dora=true) is not supported by vLLM")
-    bias = config.get("bias", "none")
-    if bias not in (None, "none"):
-        problems.append(f"bias={bias!r} is not supported (vLLM needs bias='none')")
-    if config.get("lora_bias"):
-        problems.append("lora_bias=true is not supported by vLLM")
-    mts = config.get("modules_to_save")
-    if mts:
-        problems.append(f"modules_to_save={mts!r} is not supported by vLLM")
-    init = config.get("init_lora_weights")
-    if isinstance(init, str) and init.lower().startswith(_UNSUPPORTED_INIT):
-        problems.append(f"init_lora_weights={init!r} changes the base weights; vLLM refuses it")
-    if config.get("layer_replication"):
-        problems.append("layer_replication is not supported by vLLM")
-    rank = max(ranks) if ranks else None
-    if rank is not None and max_rank is not None and rank > max_rank:
-        problems.append(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}")
-    return problems, rank
-
-
-def _expected_rank(module: str, config: Mapping[str, Any]) -> int | None:
-    for pattern, pr in (config.get("rank_pattern") or {}).items():
-        if module == pattern or module.endswith("." + pattern) or re.search(pattern, module):
-            return pr
-    r = config.get("r")
-    return r if isinstance(r, int) else None
-
-
-def _check_tensors(shapes: Mapping[str, list[int]], config: Mapping[str, Any]) -> list[str]:
-    problems: list[str] = []
-    targets = config.get("target_modules")
-    pairs: dict[str, dict[str, list[int]]] = {}
-    for key, shape in shapes.items():
-        m = _LORA_KEY.match(key)
-        if not m:
-            problems.append(
-                f"tensor {key!r} is not a LoRA weight (expected '<module>.lora_A.weight')"
-            )
-            continue
-        module = m["module"]
-        pairs.setdefault(module, {})[m["ab"]] = shape
-        if targets and not _module_matches(module, targets):
-            problems.append(f"tensor {key!r} targets a module not in target_modules {targets!r}")
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            have = next(iter(ab))
-            problems.append(
-                f"module {module!r} has lora_{have} but no lora_{'B' if have == 'A' else 'A'}"
-            )
-            continue
-        a, b = ab["A"], ab["B"]
-        want = _expected_rank(module, config)
-        if len(a) != 2 or len(b) != 2:
-            problems.append(f"module {module!r}: lora_A/lora_B must be 2-D, got {a} and {b}")
-        elif a[0] != b[1]:
-            problems.append(f"module {module!r}: lora_A {a} and lora_B {b} disagree on the rank")
-        elif want is not None and a[0] != want:
-            problems.append(
-                f"module {module!r}: lora_A {a} / lora_B {b} have rank {a[0]}, but r={want}"
-            )
-    if not shapes:
-        problems.append("the adapter weights contain no tensors")
-    return problems
-
-
 def check_adapter(
     config: Mapping[str, Any] | None,
     shapes: Mapping[str, list[int]] | None,
     *,
     max_rank: int | None = None,
     weight_files: tuple[str, ...] = (SAFETENSORS,),
+    engine: EngineKind | None = None,
 ) -> ValidationReport:
-    """Validate a config and tensor shapes (``None``: shapes unknown, e.g. .bin without torch)."""
+    """Validate a config and tensor shapes (``None``: shapes unknown, e.g. .bin without torch).
+
+    ``engine``: the engine kind whose rulebook applies (``lorafleet.rules``); None: only what
+    every engine kind refuses.
+    """
     report = ValidationReport()
     if config is None:
         report.problems.append(
             f"missing {ADAPTER_CONFIG} (pass a config dict for native checkpoints)"
         )
         return report
-    problems, rank = _check_config(config, max_rank)
-    report.problems += problems
-    report.rank = rank
-    if SAFETENSORS in weight_files and BIN in weight_files:
-        report.problems.append(
-            f"both {SAFETENSORS} and {BIN} are present; engines would silently pick one"
-        )
-    elif not weight_files:
-        report.problems.append(f"no adapter weights ({SAFETENSORS} or {BIN})")
+    facts = AdapterFacts(config, shapes, weight_files)
+    problems = rulebook(engine).check(facts, EngineLimits(max_rank=max_rank))
+    report.problems += [p.message for p in problems]
+    report.rank = declared_rank(config)
     if shapes is not None:
         report.tensors = len(shapes)
-        report.problems += _check_tensors(shapes, config)
     return report
 
 
 def validate_adapter_dir(
-    path: str | os.PathLike, *, config: Mapping[str, Any] | None = None, max_rank: int | None = None
+    path: str | os.PathLike,
+    *,
+    config: Mapping[str, Any] | None = None,
+    max_rank: int | None = None,
+    engine: EngineKind | None = None,
 ) -> ValidationReport:
     """Validate an adapter directory, optionally with a config dict for a native-only checkpoint.
+
+    ``engine``: the engine kind whose rulebook applies; None: what every engine kind refuses.
 
     ``report.preloadable`` answers "can an engine load this directory as it is?": it needs a
     valid ``adapter_config.json`` on disk, not just a config dict on the side (seed 004).
@@ -240,7 +147,7 @@ def validate_adapter_dir(
             shapes = _read_bin_shapes(d / BIN)
     except Exception as exc:  # a corrupt header is a validation problem, not a crash
         report.problems.append(f"cannot read adapter weights: {exc}")
-    inner = check_adapter(effective, shapes, max_rank=max_rank, weight_files=weights)
+    inner = check_adapter(effective, shapes, max_rank=max_rank, weight_files=weights, engine=engine)
     report.problems += inner.problems
     report.rank, report.tensors = inner.rank, inner.tensors
     report.preloadable = report.ok and on_disk is not None

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible routes, as vLLM serves them: models, completions, chat, streaming.
+
+Handlers translate HTTP to runtime calls and back; bodies come from ``_openai_bodies``. The adapter
+is named vLLM's way (``model=<adapter>``) or SGLang's (see ``_sglang.openai_adapter_name``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+
+from lorafleet.engine import _openai_bodies as bodies
+from lorafleet.engine import _sglang
+from lorafleet.engine._errors import EngineError
+from lorafleet.engine._generation import budget, check_ids, collect, stops
+from lorafleet.engine._metrics import EngineMetrics
+from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime
+from lorafleet.engine._sse import DONE, event, streaming_response
+from lorafleet.engine.protocol import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["router"]
+
+
+def _resolve(runtime: Runtime, model: str | None, lora_path: str | None) -> AdapterRecord | None:
+    """The adapter a request names, in SGLang's addressing first, else vLLM's (404 if unknown)."""
+    return runtime.resolve(_sglang.openai_adapter_name(runtime, model, lora_path) or model)
+
+
+def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(
+                part.get("text", "") for part in content if part.get("type") == "text"
+            )
+        messages.append({"role": m.role, "content": content or ""})
+    return messages
+
+
+def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
+    """``/v1/models``, ``/v1/engine_info``, ``/v1/completions`` and ``/v1/chat/completions``."""
+    api = APIRouter()
+    served = runtime.served_model_name
+    token_text = runtime.token_text
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        metrics.requests.labels("/v1/models", "").inc()
+        now = int(time.time())
+        data = [bodies.model_card(served, runtime.model_dir, None, now, runtime.max_model_len)]
+        data += [
+            bodies.model_card(a.name, a.path, served, int(a.created), None)
+            for a in runtime.adapters.values()
+        ]
+        return {"object": "list", "data": data}
+
+    @api.get("/v1/engine_info")
+    async def engine_info() -> dict:
+        return {
+            "model": served,
+            "max_loras": runtime.max_loras,
+            "max_lora_rank": runtime.max_lora_rank,
+            "max_model_len": runtime.max_model_len,
+            "adapters": {a.name: a.path for a in runtime.adapters.values()},
+        }
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        model_name = req.model or served
+        metrics.requests.labels("/v1/completions", model_name).inc()
+        adapter = _resolve(runtime, req.model, req.lora_path)
+        p = req.prompt
+        if isinstance(p, str):
+            prompts: list[tuple[str | None, list[int]]] = [(p, runtime.encode(p))]
+        elif p and isinstance(p[0], int):
+            prompts = [(None, list(p))]  # type: ignore[arg-type]
+        else:
+            prompts = [
+                (x, runtime.encode(x)) if isinstance(x, str) else (None, list(x))
+                for x in p  # type: ignore[union-attr]
+            ]
+        if not prompts:
+            raise EngineError.bad_request("The prompt cannot be empty.", param="prompt")
+        for _, ids in prompts:
+            check_ids(runtime, ids)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params_for = [
+            GenParams(
+                max_tokens=budget(runtime, len(ids), max_tokens),
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed,
+                stop=stops(req.stop),
+                logprobs=req.logprobs,
+                ignore_eos=bool(req.ignore_eos),
+            )
+            for _, ids in prompts
+        ]
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def prefix(i: int) -> str:
+            text, ids = prompts[i]
+            if not req.echo:
+                return ""
+            return text if text is not None else runtime.tokenizer.decode(ids)
+
+        if not req.stream:
+            choices, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            for i, (_, ids) in enumerate(prompts):
+                events, result = await collect(runtime, ids, adapter, params_for[i])
+                metrics.account(model_name, result)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = bodies.legacy_logprobs(token_text, events, len(prefix(i)))
+                choices.append(
+                    bodies.completion_choice(
+                        i,
+                        prefix(i) + result.text,
+                        logprobs,
+                        result,
+                        (ids, result.token_ids) if req.return_token_ids else None,
+                    )
+                )
+                u = bodies.usage(result)
+                for k in total:
+                    total[k] += u[k]
+            return bodies.completion_body(cid, created, model_name, choices, total)
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(i: int, text: str, **extra: Any) -> str:
+            return event(bodies.completion_chunk(cid, created, model_name, i, text, **extra))
+
+        async def frames() -> AsyncIterator[str]:
+            total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            try:
+                for i, (_, ids) in enumerate(prompts):
+                    offset = len(prefix(i))
+                    if req.echo:
+                        yield chunk(i, prefix(i))
+                    async for item in runtime.stream(ids, adapter, params_for[i]):
+                        if isinstance(item, GenResult):
+                            metrics.account(model_name, item)
+                            extra = {}
+                            if req.return_token_ids:
+                                extra["prompt_token_ids"] = ids
+                            yield chunk(
+                                i,
+                                "",
+                                finish_reason=bodies.finish(item),
+                                stop_reason=item.stop_reason,
+                                **extra,
+                            )
+                            for k, v in bodies.usage(item).items():
+                                if k in total:
+                                    total[k] += v
+                            continue
+                        lp = None
+                        if req.logprobs is not None and item.token_id >= 0:
+                            lp = bodies.legacy_logprobs(token_text, [item], offset)
+                            offset += len(token_text(item.token_id))
+                        if not item.text and lp is None:
+                            continue
+                        extra = {"token_ids": [item.token_id]} if req.return_token_ids else {}
+                        yield chunk(i, item.text, logprobs=lp, **extra)
+                if include_usage:
+                    yield event(bodies.completion_usage_chunk(cid, created, model_name, total))
+            except EngineError as exc:
+                yield event(exc.body())
+            yield DONE
+
+        return streaming_response(frames())
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        model_name = req.model or served
+        metrics.requests.labels("/v1/chat/completions", model_name).inc()
+        adapter = _resolve(runtime, req.model, req.lora_path)
+        try:
+            prompt = runtime.render_chat(_chat_messages(req), req.add_generation_prompt)
+        except Exception as exc:  # jinja errors: vLLM answers 400
+            raise EngineError.bad_request(f"chat template failed: {exc}") from exc
+        ids = check_ids(runtime, runtime.encode(prompt, add_special_tokens=False))
+        requested = req.max_completion_tokens or req.max_tokens
+        top = req.top_logprobs or 0
+        params = GenParams(
+            max_tokens=budget(runtime, len(ids), requested),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=stops(req.stop),
+            logprobs=top if req.logprobs else None,
+            ignore_eos=bool(req.ignore_eos),
+        )
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        if not req.stream:
+            events, result = await collect(runtime, ids, adapter, params)
+            metrics.account(model_name, result)
+            return bodies.chat_body(
+                cid,
+                created,
+                model_name,
+                result,
+                bodies.chat_logprobs(token_text, events) if req.logprobs else None,
+                (ids, result.token_ids) if req.return_token_ids else None,
+            )
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, **extra: Any) -> str:
+            return event(bodies.chat_chunk(cid, created, model_name, delta, **extra))
+
+        async def frames() -> AsyncIterator[str]:
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for item in runtime.stream(ids, adapter, params):
+                    if isinstance(item, GenResult):
+                        metrics.account(model_name, item)
+                        yield chunk(
+                            {}, finish_reason=bodies.finish(item), stop_reason=item.stop_reason
+                        )
+                        if include_usage:
+                            yield event(bodies.chat_usage_chunk(cid, created, model_name, item))
+                        continue
+                    lp = None
+                    if req.logprobs and item.token_id >= 0:
+                        lp = bodies.chat_logprobs(token_text, [item])
+                    if not item.text and lp is None:
+                        continue
+                    yield chunk({"content": item.text}, logprobs=lp)
+            except EngineError as exc:
+                yield event(exc.body())
+            yield DONE
+
+        return streaming_response(frames())
+
+    return api
