@@ -184,6 +184,40 @@ def test_completion_logprobs_legacy_shape(engine):
     assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
 
 
+def _prompt_logprobs_hf(base: str, adapter: str | None, prompt: str) -> list[float]:
+    """Each prompt token's logprob given the ones before it, in transformers (float32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model.eval()(ids).logits[0, :-1].float(), dim=-1)
+    return logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()
+
+
+def test_echo_with_logprobs_scores_the_prompt(engine, loaded, adapters, tiny_model):
+    """What the agent's application probe reads: echo + logprobs gives each prompt token's
+    logprob (None for the first), then the generated token's; an adapter moves them."""
+    name = loaded.name("probe")
+    assert loaded.load(name, adapters["a"]).status_code == 200
+    got = {}
+    for model, adapter in ((engine.model, None), (name, adapters["a"])):
+        body = complete(engine, model, max_tokens=1, echo=True, logprobs=1)
+        lp = body["choices"][0]["logprobs"]
+        values = lp["token_logprobs"]
+        assert values[0] is None and len(values) == len(lp["tokens"]) == len(lp["text_offset"])
+        want = _prompt_logprobs_hf(str(tiny_model), adapter and str(adapter), PROMPT)
+        assert len(values) == len(want) + 2  # None, the prompt's, the generated token's
+        assert max(abs(a - b) for a, b in zip(values[1:-1], want, strict=True)) < 1e-3
+        got[model] = values[1:-1]
+    assert max(abs(a - b) for a, b in zip(*got.values(), strict=True)) > 1e-2
+
+
 def test_chat_logprobs_shape(engine):
     r = engine.client.post(
         "/v1/chat/completions",

@@ -98,6 +98,7 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
                 stop=stops(req.stop),
                 logprobs=req.logprobs,
                 ignore_eos=bool(req.ignore_eos),
+                prompt_logprobs=bool(req.echo) and req.logprobs is not None,
             )
             for _, ids in prompts
         ]
@@ -117,7 +118,8 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
                 metrics.account(model_name, result)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = bodies.legacy_logprobs(token_text, events, len(prefix(i)))
+                    scored = (ids, result.prompt_logprobs) if result.prompt_logprobs else None
+                    logprobs = bodies.legacy_logprobs(token_text, events, len(prefix(i)), scored)
                 choices.append(
                     bodies.completion_choice(
                         i,

@@ -44,14 +44,32 @@ def finish(result: GenResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def legacy_logprobs(token_text: TokenText, events: Iterable[TokenEvent], offset: int) -> dict:
-    """The completions API's logprobs: parallel lists, text offsets counted from ``offset``."""
+def legacy_logprobs(
+    token_text: TokenText,
+    events: Iterable[TokenEvent],
+    offset: int,
+    prompt: tuple[list[int], list[float | None]] | None = None,
+) -> dict:
+    """The completions API's logprobs: parallel lists, text offsets counted from ``offset``.
+
+    ``prompt``: (ids, logprobs) of an echoed prompt, listed first as vLLM does (the first
+    token has no logprob), with offsets from 0.
+    """
     lp: dict[str, list] = {
         "text_offset": [],
         "token_logprobs": [],
         "tokens": [],
         "top_logprobs": [],
     }
+    if prompt is not None:
+        at = 0
+        for tid, value in zip(*prompt, strict=True):
+            text = token_text(tid)
+            lp["text_offset"].append(at)
+            at += len(text)
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(value)
+            lp["top_logprobs"].append(None if value is None else {text: value})
     for ev in events:
         if ev.token_id < 0:
             continue

@@ -55,6 +55,8 @@ class GenParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token plus the top k
     ignore_eos: bool = False
+    prompt_logprobs: bool = False
+    """Also score the prompt: each prompt token's logprob given the ones before it."""
 
 
 @dataclass
@@ -74,6 +76,8 @@ class GenResult:
     finish_reason: str  # "length" | "stop" | "abort"
     stop_reason: str | int | None
     prompt_tokens: int
+    prompt_logprobs: list[float | None] | None = None
+    """With ``GenParams.prompt_logprobs``: None for the first token, then one per token."""
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -202,6 +206,7 @@ class Runtime:
         released = 0
         text = ""
         finish, stop_reason = "length", None
+        prompt_lps: list[float | None] | None = None
         with torch.inference_mode(), self._adapter_context(internal):
             past = None
             step_input = torch.tensor([prompt_ids], dtype=torch.long)
@@ -209,7 +214,17 @@ class Runtime:
                 if cancelled is not None and cancelled.is_set():
                     finish = "abort"
                     break
-                out = self.model(input_ids=step_input, cache=past, use_cache=True, logits_to_keep=1)
+                # The first pass keeps every position's logits when the prompt is scored
+                # (echo with logprobs, as vLLM answers it); later passes only the last.
+                keep = 0 if params.prompt_logprobs and past is None else 1
+                out = self.model(
+                    input_ids=step_input, cache=past, use_cache=True, logits_to_keep=keep
+                )
+                if keep == 0:
+                    scored = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+                    targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
+                    picked = scored.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                    prompt_lps = [None, *picked]
                 past = out.cache
                 tok, logp = self._pick(out.logits[0, -1].float(), params, gen)
                 out_ids.append(tok)
@@ -242,7 +257,7 @@ class Runtime:
         text = text.rstrip("\ufffd")
         if emit is not None and released < len(text):
             emit(TokenEvent(-1, text[released:]))  # flush what was held back at "length"
-        return GenResult(out_ids, text, finish, stop_reason, len(prompt_ids))
+        return GenResult(out_ids, text, finish, stop_reason, len(prompt_ids), prompt_lps)
 
     # --- event-loop side --------------------------------------------------------------------
 
