@@ -301,20 +301,30 @@ class AdapterService:
                         f"{self.caps.max_adapters}; unload one before loading {ename!r}",
                     )
             t0 = time.perf_counter()
+            path = rec.path
+            linked = mode == "in_place" and self.caps.kind == "sglang"
+            if linked:
+                # SGLang re-reads a name's remembered path after an unload: in place, the plain
+                # name is loaded from a link the agent points at the current version, so any
+                # such re-read gets these weights (docs/engines/sglang.md).
+                path = str(await asyncio.to_thread(self.store.point_link, name, version))
             # Recorded before the call: if its outcome is unknown (timeout, cancellation, crash)
             # the engine may hold ``ename`` from these files, and unload must ask it first.
-            attempt = {"mode": mode, "engine_name": ename}
+            attempt = {"mode": mode, "engine_name": ename, "path": path}
             pending = rec.model_copy(
                 update={**attempt, "error": f"loading as {ename!r}: outcome unknown"}
             )
             self.db.put(StoredAdapter(pending, item.manifest))
             try:
-                await self.backend.load(ename, rec.path, replace=holder is not None)
+                await self.backend.load(ename, path, replace=holder is not None)
             except EngineRejected as exc:
                 rec = rec.model_copy(
                     update={**attempt, "state": AdapterState.FAILED, "error": str(exc)}
                 )
                 self.db.put(StoredAdapter(rec, item.manifest))
+                if linked and holder is not None:
+                    # Back to the holder's files, which a re-read under the name must find.
+                    await asyncio.to_thread(self.store.point_link, name, holder.record.version)
                 raise
             except EngineUnavailable as exc:
                 rec = pending.model_copy(
@@ -330,9 +340,7 @@ class AdapterService:
                     state = AdapterState.ACTIVE
                 old = holder.record.model_copy(update={"state": AdapterState.STAGED, "error": None})
                 self.db.put(StoredAdapter(old, holder.manifest))
-            rec = rec.model_copy(
-                update={"state": state, "mode": mode, "engine_name": ename, "error": None}
-            )
+            rec = rec.model_copy(update={**attempt, "state": state, "error": None})
             self.db.put(StoredAdapter(rec, item.manifest))
             return rec
 
@@ -425,6 +433,9 @@ class AdapterService:
                 "unloads it and removes its files"
             ) from exc
         self.db.delete(rec.name, rec.version)
+        if rec.mode == "in_place" and self._holder(rec.name) is None:
+            # Nothing holds the plain name now: a later re-read by the engine must find nothing.
+            await asyncio.to_thread(self.store.remove_link, rec.name)
         shas = item.shas
         await asyncio.to_thread(self.store.remove_adapter_dir, rec.name, rec.version, [])
         self.uploads.gc_blobs(shas)

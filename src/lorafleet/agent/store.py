@@ -5,6 +5,8 @@ Layout under ``data_dir``::
     staging/<upload_id>/<path>.partial     bytes of an upload in flight
     blobs/sha256/<hex>                     verified files, immutable, named by content
     adapters/<name>/<version>/<path>       hard links into blobs/ (what the engine reads)
+    adapters/<name>/current                a symlink to the version an SGLang engine holds in
+                                           place under the plain name (see ``point_link``)
 
 An adapter directory holds hard links, never copies: a blob's link count tells whether any
 adapter still uses it, and removing a directory never touches bytes another version shares.
@@ -21,7 +23,9 @@ import threading
 import uuid
 from pathlib import Path
 
-__all__ = ["Store", "free_bytes", "fsync_dir"]
+__all__ = ["LINK", "Store", "free_bytes", "fsync_dir"]
+
+LINK = "current"
 
 
 def fsync_dir(path: Path) -> None:
@@ -185,6 +189,26 @@ class Store:
             raise
         return final
 
+    def link_path(self, name: str) -> Path:
+        return self.adapters / name / LINK
+
+    def point_link(self, name: str, version: int) -> Path:
+        """Atomically point ``adapters/<name>/current`` at that version's directory.
+
+        SGLang remembers the path a name was loaded from and silently re-reads it after an
+        unload (docs/engines/sglang.md): loading the plain name from this link keeps every such
+        re-read on the version the agent last put there.
+        """
+        link = self.link_path(name)
+        tmp = link.parent / f".{LINK}.tmp-{uuid.uuid4().hex[:8]}"
+        os.symlink(str(version), tmp)
+        os.replace(tmp, link)
+        fsync_dir(link.parent)
+        return link
+
+    def remove_link(self, name: str) -> None:
+        self.link_path(name).unlink(missing_ok=True)
+
     def remove_adapter_dir(self, name: str, version: int, shas: list[str]) -> list[str]:
         """Delete an adapter directory, then every blob in ``shas`` it was the last user of."""
         d = self.adapter_dir(name, version)
@@ -207,6 +231,10 @@ class Store:
                 continue
             for d in list(name_dir.iterdir()):
                 tmp = d.name.startswith(".") and ".tmp-" in d.name
+                if d.name == LINK and d.is_symlink():
+                    target = os.readlink(d)
+                    if target.isdigit() and (name_dir.name, int(target)) in known:
+                        continue  # a link to a known version stays; any other goes below
                 orphan = not tmp and (
                     not d.name.isdigit() or (name_dir.name, int(d.name)) not in known
                 )
