@@ -50,9 +50,11 @@ class AsyncPublisher:
 
     Concurrent ``apublish`` calls on one Publisher: calls for different names are independent
     transactions and run at once. Calls for the same name wait for each other and run one after
-    another, in the order they were made, exactly as if made in sequence (so ``version=None``
-    gives each the next version). Publishers in other processes are kept apart by the router's
-    lease: the loser gets ``PublishInProgress``.
+    another, in the order they were made, exactly as if made in sequence: ``version=None`` gives
+    each the next version, and an explicit version that the call before has taken is refused
+    with ``VersionConflict``. (The router's lease cannot keep them apart: they share this
+    Publisher's holder.) Publishers of one name in other processes are kept apart by that lease:
+    the loser gets ``PublishInProgress``.
     """
 
     def __init__(
@@ -167,9 +169,8 @@ class AsyncPublisher:
         if self.router is None:
             yield
             return
-        router = self.router
         try:
-            await router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
+            await self.router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
         except RemoteError as exc:
             cls = publish_error_class(exc)
             if cls is None:
@@ -180,9 +181,16 @@ class AsyncPublisher:
         try:
             yield
         finally:
-            heartbeat.cancel()
             with contextlib.suppress(LorafleetError, asyncio.CancelledError):
-                await to_the_end(router.release_lease(name, self.holder))
+                await to_the_end(self._end_lease(name, heartbeat))
+
+    async def _end_lease(self, name: str, heartbeat: asyncio.Task) -> None:
+        assert self.router is not None
+        heartbeat.cancel()
+        # A renewal still in flight must not land after the release and hold the name again.
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeat
+        await self.router.release_lease(name, self.holder)
 
     async def _keep_lease(self, name: str) -> None:
         # A periodic renewal, not a retry: a failed one is simply tried again at the next beat,
