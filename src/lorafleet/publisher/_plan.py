@@ -1,0 +1,54 @@
+"""What one publication installs, fixed before its first byte moves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from lorafleet.bundle import AdapterBundle
+from lorafleet.protocol.agent import LoadMode, engine_name
+
+__all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
+
+Mode = Literal["atomic", "in_place"]
+Transfer = Literal["remote_upload", "shared_filesystem"]
+ProgressCallback = Callable[[str, int, int], None]
+"""``on_progress(replica_id, bytes_sent_so_far, bytes_to_send)``."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One publication's immutable inputs: the bundle (name and version set), how it moves, and
+    the version that was active when it began (the alias flip's compare-and-set)."""
+
+    bundle: AdapterBundle
+    mode: Mode
+    transfer: Transfer
+    previous: int | None
+    shared_dir: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.bundle.name
+
+    @property
+    def version(self) -> int:
+        return self.bundle.version
+
+    @property
+    def load_mode(self) -> LoadMode:
+        return "versioned" if self.mode == "atomic" else "in_place"
+
+    @property
+    def engine_name(self) -> str:
+        """The name engines register: immutable ``name@vN`` (atomic) or the plain name."""
+        return engine_name(self.name, self.version, self.load_mode)
+
+    @property
+    def shared_path(self) -> Path | None:
+        """Where a ``shared_filesystem`` publication hands the files over, else None."""
+        if self.transfer != "shared_filesystem" or self.shared_dir is None:
+            return None
+        return self.shared_dir / self.name / f"v{self.version}"

@@ -1,0 +1,190 @@
+"""One replica's part in a publication (``ReplicaTxn``), and the agent behind it (``Agent``).
+
+An ``Agent`` lives as long as its Publisher: the connection and what the agent said about itself.
+A ``ReplicaTxn`` lives for one publication: its upload session, its timing and whether the agent
+may hold anything of it. Concurrent publications on one Publisher share agents, never
+transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.errors import LorafleetError
+from lorafleet.protocol.agent import AdapterState, AgentInfo
+from lorafleet.publisher._errors import is_not_found, reason
+from lorafleet.publisher._plan import Plan, ProgressCallback
+from lorafleet.publisher.result import ReplicaState, ReplicaTiming, Timeouts
+
+__all__ = ["Agent", "ReplicaTxn"]
+
+
+@dataclass
+class Agent:
+    """A long-lived agent connection; ``info`` is learnt once and never changes after."""
+
+    url: str
+    client: AsyncAgentClient
+    info: AgentInfo | None = None
+
+    @property
+    def id(self) -> str:
+        return self.info.replica_id if self.info else self.url
+
+    async def discover(self) -> None:
+        """Ask the agent who it is, once. Raises ``LorafleetError`` if it cannot answer."""
+        if self.info is None:
+            self.info = await self.client.info()
+
+
+class ReplicaTxn:
+    """One replica's steps in one publication: stage, load, roll back, activate, release."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        plan: Plan,
+        timeouts: Timeouts,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        self.agent = agent
+        self.plan = plan
+        self.timeouts = timeouts
+        self.on_progress = on_progress
+        self.timing = ReplicaTiming(replica=agent.id, agent_url=agent.url)
+        self.upload_id: str | None = None
+        """The upload session this publication opened and has not committed yet."""
+        self.touched = False
+        """The agent may hold something of this publication (a session, a record, a load)."""
+
+    @property
+    def id(self) -> str:
+        return self.agent.id
+
+    async def stage(self) -> None:
+        """Get the bundle's files into the agent's store: upload what it lacks and commit, or
+        register the shared path. Raises ``LorafleetError`` (the agent refused, or did not
+        answer) or ``TimeoutError`` (a step outlived its ``Timeouts`` limit)."""
+        bundle, timing, client = self.plan.bundle, self.timing, self.agent.client
+        t = time.perf_counter()
+        self.touched = True
+        if self.plan.transfer == "remote_upload":
+            session = await asyncio.wait_for(
+                client.open_upload(bundle.manifest), self.timeouts.commit
+            )
+            self.upload_id = session.upload_id
+            missing = [bundle.manifest.file(p) for p in session.missing]
+            total = sum(f.size for f in missing)
+            timing.files_deduplicated = len(bundle.files) - len(missing)
+            sent = 0
+            for entry in missing:
+
+                def progress(done: int, _size: int, before: int = sent) -> None:
+                    if self.on_progress:
+                        self.on_progress(self.id, before + done, total)
+
+                await asyncio.wait_for(
+                    client.upload_file(
+                        session.upload_id, entry, bundle.source(entry.path), on_progress=progress
+                    ),
+                    self.timeouts.upload,
+                )
+                sent += entry.size
+                timing.files_sent += 1
+            timing.bytes_sent = sent
+            timing.upload_s = time.perf_counter() - t
+            t = time.perf_counter()
+            await asyncio.wait_for(client.commit(session.upload_id), self.timeouts.commit)
+            self.upload_id = None  # committed: the agent closed the session and its staging
+        else:
+            await asyncio.wait_for(
+                client.register_path(bundle.manifest, str(self.plan.shared_path)),
+                self.timeouts.commit,
+            )
+        timing.verify_s = time.perf_counter() - t
+        timing.state = ReplicaState.STAGED
+
+    async def load(self) -> None:
+        """Load the staged version into the engine. Raises like ``stage``."""
+        plan, t = self.plan, time.perf_counter()
+        await asyncio.wait_for(
+            self.agent.client.load(plan.name, plan.version, plan.load_mode), self.timeouts.load
+        )
+        self.timing.load_s = time.perf_counter() - t
+        self.timing.state = ReplicaState.LOADED
+
+    async def roll_back(self) -> str | None:
+        """Undo this publication here: discard its staging and unload its version (only with its
+        digest: another publisher's bytes are not ours to undo); in place, also unload every
+        other version of the name. Returns the first problem met; raises nothing."""
+        plan, client = self.plan, self.agent.client
+        problem: str | None = None
+        if self.upload_id is None and self.touched and plan.transfer == "remote_upload":
+            # The answer to our open may have been lost (cancelled or timed out in flight):
+            # opening the same manifest again returns that session, if there is one.
+            with contextlib.suppress(LorafleetError):
+                self.upload_id = (await client.open_upload(plan.bundle.manifest)).upload_id
+        if self.upload_id:
+            try:
+                await client.discard(self.upload_id)
+            except LorafleetError as exc:
+                if not is_not_found(exc):
+                    problem = f"discard failed: {reason(exc)}"
+        if not self.touched and plan.mode != "in_place":
+            return problem
+        try:
+            held = await client.list_adapters()
+        except LorafleetError as exc:
+            return problem or f"unreachable for rollback: {reason(exc)}"
+        ours = (plan.name, plan.version, plan.bundle.digest)
+        versions = [a.version for a in held if (a.name, a.version, a.digest) == ours]
+        if plan.mode == "in_place":
+            # Fail closed: the plain name must not keep serving anywhere.
+            versions += [
+                a.version
+                for a in held
+                if a.name == plan.name and a.mode == "in_place" and a.version != plan.version
+            ]
+        for v in versions:
+            try:
+                await client.unload(plan.name, v)
+            except LorafleetError as exc:
+                if not is_not_found(exc):
+                    problem = problem or f"rollback failed: {reason(exc)}"
+        if self.timing.state != ReplicaState.FAILED:
+            self.timing.state = ReplicaState.ROLLED_BACK
+        return problem
+
+    async def activate(self) -> None:
+        """Record the version as active on the agent. Raises ``LorafleetError``."""
+        await self.agent.client.activate(self.plan.name, self.plan.version)
+        self.timing.state = ReplicaState.ACTIVE
+
+    async def older_versions(self) -> list[int]:
+        """The name's older versions this agent holds and does not serve as active.
+        Raises ``LorafleetError`` if the agent cannot list them."""
+        records = await self.agent.client.list_adapters()
+        return [
+            a.version
+            for a in records
+            if a.name == self.plan.name
+            and a.version < self.plan.version
+            and a.state != AdapterState.ACTIVE
+        ]
+
+    async def release(self, versions: Collection[int]) -> tuple[list[int], list[str]]:
+        """Unload ``versions`` (drained at the router) here. Returns (released, warnings)."""
+        released, warnings = [], []
+        for v in versions:
+            try:
+                await self.agent.client.unload(self.plan.name, v)
+                released.append(v)
+            except LorafleetError as exc:
+                if not is_not_found(exc):
+                    warnings.append(f"{self.id}: release of v{v}: {reason(exc)}")
+        return released, warnings

