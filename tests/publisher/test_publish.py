@@ -302,7 +302,10 @@ def test_unreachable_agent_fails_before_anything(make_fleet, adapters):
 
 
 def test_rollback_leaves_another_publishers_version_alone(make_fleet, adapters):
-    """v2 on the agent belongs to someone else (other bytes): our failed v2 must not remove it."""
+    """v2 on the agent belongs to someone else (other bytes): a publisher without the name's
+    lease must not remove it, whatever fails. A lease holder at the router owns every version
+    above the active one: it supersedes such a never-activated v2 (a crashed publication's
+    leftover looks exactly like it; see test_heal_after_a_crash.py)."""
     import asyncio
 
     from lorafleet.agent.client import AsyncAgentClient
@@ -319,12 +322,15 @@ def test_rollback_leaves_another_publishers_version_alone(make_fleet, adapters):
 
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
         pub.publish(str(adapters["a"]), name="policy")
-        asyncio.run(stage_theirs())
-        with pytest.raises(PublishError, match="adapter_conflict"):
-            pub.publish(str(adapters["a"]), name="policy", version=2)
+    asyncio.run(stage_theirs())
+    with Publisher(fleet.agent_urls, token=fleet.token) as no_lease, pytest.raises(PublishError):
+        no_lease.publish(str(adapters["a"]), name="policy", version=2, mode="in_place")
     held = {(a["version"], a["digest"]) for a in fleet.adapters(0)}
     assert (2, theirs.digest) in held
     assert _alias(fleet, "policy")["version"] == 1
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        ours = pub.publish(str(adapters["a"]), name="policy", version=2)
+    assert {(a["version"], a["digest"]) for a in fleet.adapters(0)} == {(2, ours.digest)}
 
 
 def test_in_place_failure_with_a_router_removes_the_alias(make_fleet, adapters):

@@ -1,15 +1,11 @@
-"""How the Publisher reads errors: their one-line reasons, and which protocol codes mean what.
-
-``publish_error_class`` is the only place where the Publisher turns a protocol error code into an
-exception class; when ``RemoteError`` grows one subclass per code, only it changes.
-"""
+"""How the Publisher reads errors: their one-line reasons, and which refusals end a publication
+as themselves (the router's ``PublishInProgress`` and ``VersionConflict``)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from lorafleet.errors import PublishError, PublishInProgress, RemoteError, VersionConflict
-from lorafleet.protocol.errors import ErrorCode
+from lorafleet.errors import NotFound, PublishError, RemoteError
 
 __all__ = ["is_not_found", "publish_error_class", "reason"]
 
@@ -20,17 +16,13 @@ def publish_error_class(exc: BaseException) -> type[PublishError] | None:
     ``publish_in_progress``: another holder has the name's lease. ``version_conflict``: the
     compare-and-set of the alias failed, or the version is not newer than the active one.
     """
-    if isinstance(exc, RemoteError):
-        if exc.code == ErrorCode.PUBLISH_IN_PROGRESS:
-            return PublishInProgress
-        if exc.code == ErrorCode.VERSION_CONFLICT:
-            return VersionConflict
-    return None
+    # The router's client raises these classes itself (lorafleet.errors.error_for).
+    return type(exc) if isinstance(exc, PublishError) else None
 
 
 def is_not_found(exc: BaseException) -> bool:
     """The thing to undo is already gone (an unload or discard that found nothing)."""
-    return isinstance(exc, RemoteError) and exc.status == 404
+    return isinstance(exc, NotFound)
 
 
 def reason(exc: BaseException) -> str:

@@ -28,6 +28,10 @@ class Plan:
     transfer: Transfer
     previous: int | None
     shared_dir: Path | None = None
+    supersede: bool = False
+    """The name's lease is held: an agent may retire a failed publication's leftovers first."""
+    verify: bool = True
+    """Check on every replica that the engine applies v before the cutover."""
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from lorafleet.agent.client import AsyncAgentClient
-from lorafleet.errors import LorafleetError
+from lorafleet.errors import EngineUnavailable, LorafleetError
 from lorafleet.protocol.agent import AdapterState, AgentInfo
 from lorafleet.publisher._errors import is_not_found, reason
 from lorafleet.publisher._plan import Plan, ProgressCallback
@@ -61,6 +61,8 @@ class ReplicaTxn:
         """The upload session this publication opened and has not committed yet."""
         self.touched = False
         """The agent may hold something of this publication (a session, a record, a load)."""
+        self.rollback_pending = False
+        """A rollback ran and could not undo everything here (``timing.rollback`` says what)."""
 
     @property
     def id(self) -> str:
@@ -75,7 +77,8 @@ class ReplicaTxn:
         self.touched = True
         if self.plan.transfer == "remote_upload":
             session = await asyncio.wait_for(
-                client.open_upload(bundle.manifest), self.timeouts.commit
+                client.open_upload(bundle.manifest, supersede=self.plan.supersede),
+                self.timeouts.commit,
             )
             self.upload_id = session.upload_id
             missing = [bundle.manifest.file(p) for p in session.missing]
@@ -103,7 +106,9 @@ class ReplicaTxn:
             self.upload_id = None  # committed: the agent closed the session and its staging
         else:
             await asyncio.wait_for(
-                client.register_path(bundle.manifest, str(self.plan.shared_path)),
+                client.register_path(
+                    bundle.manifest, str(self.plan.shared_path), supersede=self.plan.supersede
+                ),
                 self.timeouts.commit,
             )
         timing.verify_s = time.perf_counter() - t
@@ -118,12 +123,24 @@ class ReplicaTxn:
         self.timing.load_s = time.perf_counter() - t
         self.timing.state = ReplicaState.LOADED
 
+    async def verify(self) -> None:
+        """Have the agent check that its engine applies the loaded version, addressed as the
+        router will address it. Raises ``AdapterNotApplied`` when it answers as the base
+        model, or like ``stage``."""
+        plan, t = self.plan, time.perf_counter()
+        rec = await asyncio.wait_for(
+            self.agent.client.verify(plan.name, plan.version), self.timeouts.load
+        )
+        self.timing.probe_s = time.perf_counter() - t
+        self.timing.application = rec.application
+
     async def roll_back(self) -> str | None:
         """Undo this publication here: discard its staging and unload its version (only with its
         digest: another publisher's bytes are not ours to undo); in place, also unload every
-        other version of the name. Returns the first problem met; raises nothing."""
+        other version of the name. Returns None when nothing of it stays here, else what stays
+        and why (also in ``timing.rollback``); raises nothing."""
         plan, client = self.plan, self.agent.client
-        problem: str | None = None
+        problems: list[str] = []
         if self.upload_id is None and self.touched and plan.transfer == "remote_upload":
             # The answer to our open may have been lost (cancelled or timed out in flight):
             # opening the same manifest again returns that session, if there is one.
@@ -134,13 +151,17 @@ class ReplicaTxn:
                 await client.discard(self.upload_id)
             except LorafleetError as exc:
                 if not is_not_found(exc):
-                    problem = f"discard failed: {reason(exc)}"
+                    problems.append(f"its staging could not be discarded ({reason(exc)})")
         if not self.touched and plan.mode != "in_place":
-            return problem
+            return self._rolled_back(problems)
         try:
             held = await client.list_adapters()
         except LorafleetError as exc:
-            return problem or f"unreachable for rollback: {reason(exc)}"
+            problems.append(
+                f"the agent could not be reached ({reason(exc)}): it may still hold "
+                f"v{plan.version}, which the next publication of {plan.name!r} supersedes"
+            )
+            return self._rolled_back(problems)
         ours = (plan.name, plan.version, plan.bundle.digest)
         versions = [a.version for a in held if (a.name, a.version, a.digest) == ours]
         if plan.mode == "in_place":
@@ -153,12 +174,27 @@ class ReplicaTxn:
         for v in versions:
             try:
                 await client.unload(plan.name, v)
+            except EngineUnavailable:
+                problems.append(
+                    f"v{v} stays on the agent (retiring) until its engine answers again; the "
+                    "agent then unloads it and removes its files"
+                )
             except LorafleetError as exc:
                 if not is_not_found(exc):
-                    problem = problem or f"rollback failed: {reason(exc)}"
+                    problems.append(f"v{v} could not be unloaded ({reason(exc)})")
+        return self._rolled_back(problems)
+
+    def _rolled_back(self, problems: list[str]) -> str | None:
+        if problems:
+            self.timing.rollback = "; ".join(problems)
+            self.rollback_pending = True
+            if self.timing.state != ReplicaState.FAILED:
+                self.timing.state = ReplicaState.ROLLBACK_PENDING
+            return self.timing.rollback
+        self.timing.rollback = "rolled back" if self.touched else "nothing to roll back"
         if self.timing.state != ReplicaState.FAILED:
             self.timing.state = ReplicaState.ROLLED_BACK
-        return problem
+        return None
 
     async def activate(self) -> None:
         """Record the version as active on the agent. Raises ``LorafleetError``."""

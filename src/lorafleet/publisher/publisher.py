@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import httpx
 from anyio.from_thread import start_blocking_portal
 
+from lorafleet._http import async_client
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import LorafleetError, PublishError, RemoteError, VersionConflict
@@ -68,15 +69,21 @@ class AsyncPublisher:
         shared_dir: str | os.PathLike | None = None,
         holder: str | None = None,
         on_progress: ProgressCallback | None = None,
+        verify: bool = True,
     ) -> None:
-        """Raises ``ValueError`` without agents. Connects to nothing until the first call."""
+        """Raises ``ValueError`` without agents. Connects to nothing until the first call.
+
+        ``verify``: before the cutover, each agent checks that its engine applies the new
+        version, asked the way the router will ask (``AdapterNotApplied`` fails the replica).
+        """
         if not agents:
             raise ValueError("a Publisher needs at least one agent URL")
         self.timeouts = timeouts or Timeouts()
         self.shared_dir = Path(shared_dir) if shared_dir else None
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.on_progress = on_progress
-        self._http = httpx.AsyncClient(
+        self.verify = verify
+        self._http = async_client(
             timeout=httpx.Timeout(self.timeouts.load, connect=self.timeouts.connect),
             limits=httpx.Limits(max_keepalive_connections=64, max_connections=256),
         )
@@ -150,7 +157,17 @@ class AsyncPublisher:
                 version = self._choose_version(name, version, previous)
                 if bundle.version != version:
                     bundle = bundle.with_version(version)
-                plan = Plan(bundle, mode, transfer, previous, self.shared_dir)
+                plan = Plan(
+                    bundle,
+                    mode,
+                    transfer,
+                    previous,
+                    self.shared_dir,
+                    # Holding the lease, a version above the active one is ours to take: what a
+                    # failed publication left of it on an agent is superseded, not a conflict.
+                    supersede=self.router is not None,
+                    verify=self.verify,
+                )
                 publication = Publication(
                     plan,
                     self._agents,

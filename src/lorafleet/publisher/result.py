@@ -17,6 +17,8 @@ class ReplicaState(str, Enum):
     ACTIVE = "active"
     FAILED = "failed"
     ROLLED_BACK = "rolled_back"
+    ROLLBACK_PENDING = "rollback_pending"
+    """The rollback could not finish here (engine or agent down); ``rollback`` says what stays."""
 
 
 @dataclass
@@ -30,10 +32,17 @@ class ReplicaTiming:
     verify_s: float = 0.0
     """Commit on the agent: hard-link assembly and validation (streamed bytes are hashed inline)."""
     load_s: float = 0.0
+    probe_s: float = 0.0
+    """The application probe after the load (see ``application``)."""
+    application: str = "unchecked"
+    """Whether the engine was seen to apply the version before the cutover: ``applied``,
+    ``unverifiable`` (its delta is zero or too small to show), ``not_applied``, ``unchecked``."""
     bytes_sent: int = 0
     files_sent: int = 0
     files_deduplicated: int = 0
     error: str | None = None
+    rollback: str | None = None
+    """After a failed publication: what the rollback did here, and what (if anything) stays."""
 
 
 @dataclass
