@@ -6,11 +6,12 @@ import hashlib
 import os
 from pathlib import Path
 
-from lorafleet.testing import Server, greedy_completion
+from lorafleet.launch import AgentSpec, Server
+from lorafleet.testing import greedy_completion
 
 
-def auth(server: Server) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.token}"}
+def auth(server: Server[AgentSpec]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.spec.token}"}
 
 
 def snapshot(data_dir: Path) -> dict:

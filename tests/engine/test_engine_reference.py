@@ -9,7 +9,9 @@ import time
 import httpx
 import pytest
 
-from tests.engine.engine_helpers import PROMPT, expected, start_engine
+from lorafleet.launch import Launcher
+from lorafleet.testing import start_reference_engine
+from tests.engine.helpers import PROMPT, expected
 
 
 @pytest.fixture
@@ -21,13 +23,11 @@ def ref(reference_engine):
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory, tiny_model):
     """A dedicated engine: max_loras 2, max rank 8, with an API key."""
-    url, proc = start_engine(
-        tmp_path_factory.mktemp("small-engine"),
-        tiny_model,
-        *("--max-loras", "2", "--max-lora-rank", "8", "--api-key", "sekret"),
-    )
-    yield url
-    proc.stop()
+    with Launcher(tmp_path_factory.mktemp("small-engine")) as launcher:
+        engine = start_reference_engine(
+            launcher, tiny_model, max_loras=2, max_lora_rank=8, api_key="sekret"
+        )
+        yield engine.url
 
 
 def greedy(client: httpx.Client, model: str, prompt: str = PROMPT, **kw) -> str:

@@ -24,8 +24,10 @@ PUBLICATIONS = 100
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_100_publications_under_load_are_consistent(make_fleet, tiny_model, tmp_path, stream):
-    fleet = make_fleet(2)
+def test_100_publications_under_load_are_consistent(
+    launcher, make_fleet, tiny_model, tmp_path, stream
+):
+    fleet = make_fleet(launcher, 2)
     adapters = [
         make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=50 + i) for i in range(2)
     ]

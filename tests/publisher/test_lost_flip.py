@@ -8,16 +8,19 @@ finish the publication, not unload the version the router now points at.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 from aiohttp import ClientSession, web
 
-from lorafleet._procs import free_port
+from lorafleet.launch import bind_listener
 from lorafleet.publisher import Publisher
 from lorafleet.testing import greedy_completion, make_peft_adapter
 
 
-def _proxy(port: int, target: str, drop: threading.Event, dropped: list, stop: threading.Event):
+def _proxy(
+    sock: socket.socket, target: str, drop: threading.Event, dropped: list, stop: threading.Event
+):
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {
@@ -47,7 +50,7 @@ def _proxy(port: int, target: str, drop: threading.Event, dropped: list, stop: t
         app.router.add_route("*", "/{tail:.*}", handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.SockSite(runner, sock).start()
         while not stop.is_set():
             await asyncio.sleep(0.05)
         await runner.cleanup()
@@ -55,14 +58,17 @@ def _proxy(port: int, target: str, drop: threading.Event, dropped: list, stop: t
     asyncio.run(main())
 
 
-def test_lost_answer_to_the_flip_is_resolved_by_asking_the_router(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_lost_answer_to_the_flip_is_resolved_by_asking_the_router(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    fleet = make_fleet(launcher, 2)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=71)
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=8, seed=72)
-    port = free_port()
+    sock = bind_listener()
+    port = sock.getsockname()[1]
     drop, stop, dropped = threading.Event(), threading.Event(), []
     t = threading.Thread(
-        target=_proxy, args=(port, fleet.router.url, drop, dropped, stop), daemon=True
+        target=_proxy, args=(sock, fleet.router.url, drop, dropped, stop), daemon=True
     )
     t.start()
     try:

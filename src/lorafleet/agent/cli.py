@@ -8,6 +8,7 @@ import secrets
 import click
 
 from lorafleet.agent.uploads import UploadLimits
+from lorafleet.launch.listen import fd_option
 
 _GiB = 1 << 30
 
@@ -22,13 +23,14 @@ _GiB = 1 << 30
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="Adapter store.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=int)
+@fd_option
 @click.option(
     "--control-token",
     envvar="LORAFLEET_CONTROL_TOKEN",
     default=None,
     help="Bearer token for mutating routes (generated and printed if absent).",
 )
-@click.option("--replica-id", default=None, help="Default: host:port.")
+@click.option("--replica-id", default=None, help="Default: host:port (of the --fd socket).")
 @click.option("--served-model-name", default=None, help="Default: discovered from the engine.")
 @click.option("--max-file-bytes", default=128 * _GiB, show_default=True, type=int)
 @click.option("--quota-bytes", default=None, type=int, help="Default: free disk minus 1 GiB.")
@@ -55,6 +57,7 @@ def command(
     data_dir: str,
     host: str,
     port: int,
+    fd: int | None,
     control_token: str | None,
     replica_id: str | None,
     served_model_name: str | None,
@@ -70,10 +73,10 @@ def command(
     """Run the agent: verified uploads, a durable adapter store, engine loading, reconciliation."""
     import logging
 
-    import uvicorn
-
     from lorafleet.agent.app import AgentConfig, create_app
+    from lorafleet.launch.listen import listen_address, serve
 
+    host, port = listen_address(host, port, fd)
     if not control_token:
         control_token = secrets.token_urlsafe(24)
         click.echo(f"lorafleet agent: generated control token: {control_token}", err=True)
@@ -93,10 +96,11 @@ def command(
         max_adapters=max_adapters,
         sglang_upsert=sglang_upsert,
     )
-    uvicorn.run(
+    serve(
         create_app(cfg),
         host=host,
         port=port,
+        fd=fd,
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

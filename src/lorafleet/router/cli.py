@@ -6,6 +6,8 @@ import os
 
 import click
 
+from lorafleet.launch.listen import fd_option
+
 __all__ = ["command"]
 
 
@@ -13,6 +15,7 @@ __all__ = ["command"]
 @click.option("--agents", required=True, help="Comma-separated agent URLs, one per replica.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8200, show_default=True, type=int)
+@fd_option
 @click.option(
     "--control-token",
     envvar="LORAFLEET_CONTROL_TOKEN",
@@ -45,6 +48,7 @@ def command(
     agents: str,
     host: str,
     port: int,
+    fd: int | None,
     control_token: str | None,
     api_key: str | None,
     agent_token: str | None,
@@ -54,8 +58,7 @@ def command(
     unsafe_resolve_at_forward: float | None,
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
-    import uvicorn
-
+    from lorafleet.launch.listen import serve
     from lorafleet.router.app import RouterConfig, create_app
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
@@ -73,10 +76,11 @@ def command(
         unsafe_resolve_at_forward=unsafe_resolve_at_forward,
     )
     app = create_app(config)
-    uvicorn.run(
+    serve(
         app,
         host=host,
         port=port,
+        fd=fd,
         loop="uvloop",
         http="httptools",
         lifespan="on",
