@@ -20,7 +20,12 @@ _GiB = 1 << 30
 @click.option(
     "--engine-url", required=True, help="Base URL of the engine, e.g. http://127.0.0.1:8000"
 )
-@click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="Adapter store.")
+@click.option(
+    "--data-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Adapter store; one agent per directory.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=int)
 @fd_option
@@ -73,10 +78,16 @@ def command(
     """Run the agent: verified uploads, a durable adapter store, engine loading, reconciliation."""
     import logging
 
+    from lorafleet._dirlock import DirectoryLocked, lock_directory
     from lorafleet.agent.app import AgentConfig, create_app
     from lorafleet.launch.listen import listen_address, serve
 
     host, port = listen_address(host, port, fd)
+    # Taken before the app opens the store: a second agent would corrupt the first one's state.
+    try:
+        lock = lock_directory(data_dir, holder=f"lorafleet agent on {host}:{port}")
+    except DirectoryLocked as exc:
+        raise click.ClickException(str(exc)) from exc
     if not control_token:
         control_token = secrets.token_urlsafe(24)
         click.echo(f"lorafleet agent: generated control token: {control_token}", err=True)
@@ -96,12 +107,15 @@ def command(
         max_adapters=max_adapters,
         sglang_upsert=sglang_upsert,
     )
-    serve(
-        create_app(cfg),
-        host=host,
-        port=port,
-        fd=fd,
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        serve(
+            create_app(cfg),
+            host=host,
+            port=port,
+            fd=fd,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        lock.release()

@@ -8,8 +8,8 @@ Reused by ``lorafleet up``, the demo, the tests and the benchmarks::
 
 Processes are started by ``lorafleet.launch``: each binds to the configured host (127.0.0.1 by
 default) on a socket the launcher bound, runs in its own session and is stopped with its whole
-process group. Logs, agent stores and router state live in the data directory; ``fleet.json``
-there tells ``lorafleet status`` where everything is.
+process group. Logs, agent stores and router state live in the data directory, which one fleet
+holds at a time (a lock); ``fleet.json`` there tells ``lorafleet status`` where everything is.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import BaseFileLock
+
+from lorafleet._dirlock import lock_directory
 from lorafleet.fleet.config import FleetConfig, ReplicaConfig
 from lorafleet.fleet.state import (
     FleetInfo,
@@ -86,6 +89,7 @@ class LocalFleet:
         self._launcher = Launcher(self.data_dir / "logs")
         self._replicas: list[_Replica] = []
         self._router: Server[RouterSpec] | None = None
+        self._lock: BaseFileLock | None = None
         self.model: Path | None = None
         self.started_at: float | None = None
 
@@ -153,12 +157,16 @@ class LocalFleet:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> LocalFleet:
-        """Start engines, then agents, then the router; each tier in parallel, waited for ready.
+        """Lock the data directory, then start engines, agents and the router, each tier in
+        parallel and waited for ready.
 
         Raises:
+            lorafleet._dirlock.DirectoryLocked: another fleet holds the data directory; nothing
+                was started.
             RuntimeError, TimeoutError: a process died or never got ready (its log tail is in the
                 message); everything already started is stopped first.
         """
+        self._lock = lock_directory(self.data_dir, holder="lorafleet fleet (LocalFleet)")
         try:
             self._start()
         except BaseException:
@@ -168,7 +176,6 @@ class LocalFleet:
 
     def _start(self) -> None:
         self.started_at = time.time()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         if any(r.managed_engine for r in self.config.replicas):
             if self.config.model is not None:
                 self.model = Path(self.config.model).absolute()
@@ -267,9 +274,13 @@ class LocalFleet:
             self.write_fleet_file()
 
     def stop(self) -> None:
-        """Stop the router, then the agents, then the engines. Idempotent."""
+        """Stop the router, then the agents, then the engines; release the data directory.
+        Idempotent."""
         self._launcher.stop_all()
-        remove_fleet_file(self.data_dir, owner_pid=os.getpid())
+        if self._lock is not None:
+            remove_fleet_file(self.data_dir, owner_pid=os.getpid())
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> LocalFleet:
         return self.start()
