@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import RemoteError
-from tests.agent.helpers import auth, completion, snapshot
+from tests.agent.helpers import auth, completion, put_cut, snapshot
 
 
 def publish(server, bundle: AdapterBundle, mode: str = "versioned", load: bool = True):
@@ -85,20 +84,6 @@ def test_upload_commit_load_serves(agent, engine, peft_dir):
     call(agent, lambda c: c.unload("flow", 1))
 
 
-def _raw_put_cut(server, upload_id: str, path: str, data: bytes, cut_after: int) -> None:
-    """Send a PUT declaring all of ``data`` but close the socket after ``cut_after`` bytes."""
-    host, port = server.url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)))
-    head = (
-        f"PUT /v1/uploads/{upload_id}/files/{path} HTTP/1.1\r\nHost: {host}\r\n"
-        f"Authorization: Bearer {server.spec.token}\r\nContent-Length: {len(data)}\r\n"
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode()
-    s.sendall(head + data[:cut_after])
-    s.shutdown(socket.SHUT_RDWR)
-    s.close()
-
-
 def test_resume_after_cut_connection(agent, tmp_path):
     import hashlib
     import json
@@ -113,7 +98,7 @@ def test_resume_after_cut_connection(agent, tmp_path):
     bundle = AdapterBundle.from_dir(d, name="resume", version=1)
     sess = call(agent, lambda c: c.open_upload(bundle.manifest))
     entry = bundle.manifest.file("adapter_model.safetensors")
-    _raw_put_cut(agent, sess.upload_id, entry.path, weights, cut_after=(2 << 20) + 12345)
+    put_cut(agent, sess.upload_id, entry.path, weights, cut_after=(2 << 20) + 12345)
     h = auth(agent)
     url = f"{agent.url}/v1/uploads/{sess.upload_id}/files/{entry.path}"
     offset = 0

@@ -6,13 +6,13 @@ import base64
 import hashlib
 import json
 import os
-import time
 
 import httpx
 import pytest
 
 from lorafleet.bundle.manifest import FileEntry, Manifest
-from tests.agent.helpers import auth, snapshot
+from lorafleet.testing import wait_until
+from tests.agent.helpers import auth, put_cut, snapshot
 
 CFG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
 
@@ -262,21 +262,32 @@ def test_shared_fs_register(agent_factory, peft_dir, tmp_path):
 
 
 def test_ttl_reaping(agent_factory):
-    a = agent_factory("--upload-ttl", "1")
+    """An idle session is reaped: both the blob it added and its partial upload are removed."""
+    a = agent_factory("--upload-ttl", "2")
     before = snapshot(a.spec.data_dir)
-    uid = _session(a, files=[WEIGHTS, _manifest()["files"][0]])
     cfg = json.dumps(CFG).encode()
-    assert _put(a, uid, cfg, path="adapter_config.json").status_code == 200
-    # a partial upload of the weights
-    r = _put(a, uid, DATA[:1000] if False else DATA)  # full file: a blob added by the session
-    assert r.status_code == 200
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if httpx.get(f"{a.url}/v1/uploads/{uid}", headers=auth(a)).status_code == 404:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail("upload not reaped")
+    uid = _session(a, files=[WEIGHTS, _manifest()["files"][0]])
+    assert _put(a, uid, cfg, path="adapter_config.json").status_code == 200  # a blob added
+    # A partial upload of the weights: the connection drops part way. More than the server's
+    # 64 KiB read buffer is sent, so the agent reads (and keeps) bytes before it sees the drop.
+    cut = 100_000
+    put_cut(a, uid, WEIGHTS["path"], DATA, cut_after=cut)
+    url = f"{a.url}/v1/uploads/{uid}/files/{WEIGHTS['path']}"
+    offset = 0
+
+    def partial_is_durable() -> bool:  # HEAD also keeps the session alive meanwhile
+        nonlocal offset
+        offset = int(httpx.head(url, headers=auth(a)).headers["Upload-Offset"])
+        return offset > 0
+
+    wait_until(partial_is_durable, message="the cut upload left no durable bytes")
+    during = snapshot(a.spec.data_dir)
+    assert 0 < offset <= cut and during["staging_bytes"] == offset
+    assert f"blobs/sha256/{_sha(cfg)}" in set(during["files"]) - set(before["files"])
+    wait_until(
+        lambda: httpx.get(f"{a.url}/v1/uploads/{uid}", headers=auth(a)).status_code == 404,
+        message="upload not reaped",
+    )
     assert snapshot(a.spec.data_dir) == before
     assert "lorafleet_agent_reaped_uploads_total 1.0" in httpx.get(a.url + "/metrics").text
 
