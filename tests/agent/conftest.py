@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.testing import Server, start_agent, start_reference_engine
+from lorafleet.launch import AgentSpec, ReferenceEngineSpec, Server
+from lorafleet.testing import start_agent, start_reference_engine
 
 
 @pytest.fixture(scope="session")
@@ -32,26 +33,28 @@ def peft_dir_rank32(tiny_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(session_procs, tiny_model) -> tuple[str, Server]:
+def engine(session_launcher, tiny_model) -> tuple[str, Server[ReferenceEngineSpec]]:
     """(backend kind, server): one reference engine (max rank 16, like the vLLM tier)."""
-    return "reference", start_reference_engine(session_procs, tiny_model, max_lora_rank=16)
+    return "reference", start_reference_engine(session_launcher, tiny_model, max_lora_rank=16)
 
 
 @pytest.fixture
-def agent_factory(procs, engine, tmp_path):
+def agent_factory(launcher, engine, tmp_path):
     """Start an agent (real process) in front of the session engine; returns a callable."""
     kind, eng = engine
     n = 0
 
-    def start(*extra: str, data_dir: Path | None = None, token: str | None = None) -> Server:
+    def start(
+        *extra: str, data_dir: Path | None = None, token: str | None = None
+    ) -> Server[AgentSpec]:
         nonlocal n
         n += 1
         d = data_dir or tmp_path / f"agent{n}"
-        return start_agent(procs, eng, d, kind=kind, token=token, extra=list(extra))
+        return start_agent(launcher, eng, d, kind=kind, token=token, extra=extra)
 
     return start
 
 
 @pytest.fixture
-def agent(agent_factory) -> Server:
+def agent(agent_factory) -> Server[AgentSpec]:
     return agent_factory()

@@ -1,16 +1,18 @@
-"""Helpers shared by the agent tests: auth headers, store snapshots, greedy completions."""
+"""Helpers shared by the agent tests: auth headers, store snapshots, cut uploads, completions."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from pathlib import Path
 
-from lorafleet.testing import Server, greedy_completion
+from lorafleet.launch import AgentSpec, Server
+from lorafleet.testing import greedy_completion
 
 
-def auth(server: Server) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.token}"}
+def auth(server: Server[AgentSpec]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.spec.token}"}
 
 
 def snapshot(data_dir: Path) -> dict:
@@ -35,3 +37,17 @@ def completion(url: str, model: str, prompt: str = "The quick brown fox") -> lis
     status, ids, body = greedy_completion(url, model, prompt, 8)
     assert status == 200, body
     return ids
+
+
+def put_cut(server: Server[AgentSpec], upload_id: str, path: str, data: bytes, cut_after: int):
+    """Send a PUT declaring all of ``data`` but close the socket after ``cut_after`` bytes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    head = (
+        f"PUT /v1/uploads/{upload_id}/files/{path} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {server.spec.token}\r\nContent-Length: {len(data)}\r\n"
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    s.sendall(head + data[:cut_after])
+    s.shutdown(socket.SHUT_RDWR)
+    s.close()

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from lorafleet.bundle import AdapterBundle
-from lorafleet.testing import start_agent, start_reference_engine
+from lorafleet.testing import start_agent, start_reference_engine, wait_until
 from tests.agent.helpers import completion
 from tests.agent.test_publish_flow import call, publish
 
@@ -22,10 +22,10 @@ def _engine_adapters(url: str) -> set[str]:
 
 
 def test_engine_killed_and_restarted_is_reconciled(
-    procs, tiny_model, peft_dir, peft_dir2, tmp_path
+    launcher, tiny_model, peft_dir, peft_dir2, tmp_path
 ):
-    eng = start_reference_engine(procs, tiny_model, max_lora_rank=16)
-    agent = start_agent(procs, eng, tmp_path / "agent", kind="reference")
+    eng = start_reference_engine(launcher, tiny_model, max_lora_rank=16)
+    agent = start_agent(launcher, eng, tmp_path / "agent", kind="reference")
     publish(agent, AdapterBundle.from_dir(peft_dir, name="crash", version=1))
     call(agent, lambda c: c.activate("crash", 1))
     publish(agent, AdapterBundle.from_dir(peft_dir2, name="other", version=3), mode="in_place")
@@ -34,22 +34,21 @@ def test_engine_killed_and_restarted_is_reconciled(
     before = completion(eng.url, "crash@v1")
 
     eng.proc.kill()  # SIGKILL
-    deadline = time.monotonic() + 5
-    while httpx.get(agent.url + "/health").status_code != 503:
-        assert time.monotonic() < deadline, "agent still reports ready with its engine dead"
-        time.sleep(0.1)
+    wait_until(
+        lambda: httpx.get(agent.url + "/health").status_code == 503,
+        message="agent still reports ready with its engine dead",
+    )
     assert httpx.get(agent.url + "/v1/info").json()["ready"] is False
 
-    eng2 = start_reference_engine(procs, tiny_model, max_lora_rank=16, port=eng.port)
-    answered = time.monotonic()  # the engine answers /health again
-    while _engine_adapters(eng2.url) != want:
-        assert time.monotonic() - answered < 5, "adapters not reinstalled within 5 s"
-        time.sleep(0.05)
+    launcher.restart(eng)  # same port, no adapters; ready when it answers /health
+    answered = time.monotonic()
+    wait_until(lambda: _engine_adapters(eng.url) == want, message="adapters not reinstalled")
     reinstalled = time.monotonic() - answered
-    while httpx.get(agent.url + "/health").status_code != 200:
-        assert time.monotonic() - answered < 6
-        time.sleep(0.05)
-    assert completion(eng2.url, "crash@v1") == before
+    wait_until(
+        lambda: httpx.get(agent.url + "/health").status_code == 200,
+        message="agent not ready after the reinstall",
+    )
+    assert completion(eng.url, "crash@v1") == before
     states = {(r.name, r.version): r.state.value for r in call(agent, lambda c: c.list_adapters())}
     assert states == {("crash", 1): "active", ("other", 3): "loaded"}
     assert "lorafleet_agent_reconciliations_total 2.0" in httpx.get(agent.url + "/metrics").text
@@ -68,10 +67,10 @@ def _generate(url: str, lora: str | None) -> list[int]:
 
 
 @pytest.mark.parametrize("upsert", [False, True])
-def test_sglang_backend(procs, engine, tmp_path, peft_dir, peft_dir2, upsert):
+def test_sglang_backend(launcher, engine, tmp_path, peft_dir, peft_dir2, upsert):
     _, eng = engine
     extra = ["--sglang-upsert"] if upsert else []
-    agent = start_agent(procs, eng, tmp_path / "agent", kind="sglang", extra=extra)
+    agent = start_agent(launcher, eng, tmp_path / "agent", kind="sglang", extra=extra)
     info = httpx.get(agent.url + "/v1/info").json()
     assert info["capabilities"]["kind"] == "sglang" and info["capabilities"]["upsert"] is upsert
     base = _generate(eng.url, None)
@@ -90,8 +89,8 @@ def test_sglang_backend(procs, engine, tmp_path, peft_dir, peft_dir2, upsert):
 
 
 @pytest.mark.vllm
-def test_vllm_backend_end_to_end(procs, vllm_server, tmp_path, peft_dir, peft_dir2):
-    agent = start_agent(procs, vllm_server, tmp_path / "agent", kind="vllm")
+def test_vllm_backend_end_to_end(launcher, vllm_server, tmp_path, peft_dir, peft_dir2):
+    agent = start_agent(launcher, vllm_server, tmp_path / "agent", kind="vllm")
     caps = httpx.get(agent.url + "/v1/info").json()["capabilities"]
     assert caps["kind"] == "vllm" and caps["unload_frees_slot"] is False
     base = completion(vllm_server.url, "tiny")
@@ -109,7 +108,7 @@ def test_vllm_backend_end_to_end(procs, vllm_server, tmp_path, peft_dir, peft_di
     for name, v in (("vl", 1), ("vl", 2), ("vlp", 1), ("vlp", 2)):
         call(agent, lambda c, name=name, v=v: c.unload(name, v))
     assert _engine_adapters(vllm_server.url) == set()
-    assert list((agent.data_dir / "blobs" / "sha256").iterdir()) == []
+    assert list((agent.spec.data_dir / "blobs" / "sha256").iterdir()) == []
 
 
 def test_engine_probes_stay_out_of_the_info_log(agent):

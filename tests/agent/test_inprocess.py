@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import time
+import threading
 from pathlib import Path
 
 import httpx
@@ -137,7 +137,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-# --- 1. unload never deletes files the engine may hold (promise 6) -------------------------------
+# --- unload never deletes files the engine may hold (promise 6) -----------------------------------
 
 
 def test_unload_after_ambiguous_load_unloads_engine_first(node):
@@ -219,7 +219,7 @@ def test_vllm_duplicate_load_of_same_path_is_success():
     run(go())
 
 
-# --- 7. the engine probe survives a garbled answer ---------------------------------------------
+# --- the engine probe survives a garbled answer ---------------------------------------------------
 
 
 def test_probe_retries_after_non_json_answer(tmp_path):
@@ -263,22 +263,39 @@ def test_probe_retries_after_non_json_answer(tmp_path):
     run(go())
 
 
-# --- 2./3. a PUT's descriptor, cancellation and write failures ---------------------------------
+# --- a PUT's descriptor, cancellation and write failures ------------------------------------------
 
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+async def _loop_turns(n: int = 5) -> None:
+    """Let already-scheduled callbacks (a delivered cancellation) run: loop turns, not time."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def _threads_gone(prefix: str, timeout: float = 10.0) -> None:
+    """Wait until no thread named ``prefix...`` runs: an executor drained its queued work."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while any(t.name.startswith(prefix) for t in threading.enumerate()):
+        assert loop.time() < deadline, f"{prefix} threads still running"
+        await asyncio.sleep(0.01)
+
+
 def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypatch, tmp_path):
     monkeypatch.setattr(uploads_mod, "_BATCH", 16)
     real = uploads_mod._write_and_hash
+    writing, release = threading.Event(), threading.Event()
 
-    def slow(fd, parts):
-        time.sleep(0.1)
+    def held(fd, parts):  # every write waits until the test has reused a descriptor
+        writing.set()
+        release.wait(10)
         return real(fd, parts)
 
-    monkeypatch.setattr(uploads_mod, "_write_and_hash", slow)
+    monkeypatch.setattr(uploads_mod, "_write_and_hash", held)
     data = b"Z" * 160
     files = {"adapter_config.json": CFG, "adapter_model.safetensors": data}
 
@@ -301,16 +318,18 @@ def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypa
                 content_digest=None,
             )
         )
-        await asyncio.sleep(0.05)  # the PUT is waiting for its queued batches
+        # The PUT has queued its batches and waits for them; the first one is being written.
+        assert await asyncio.to_thread(writing.wait, 10)
         node.uploads.close(s.upload_id, keep_blobs=False)  # DELETE or the reaper
-        await asyncio.sleep(0.01)
+        await _loop_turns()  # the cancellation reaches the PUT
         other = tmp_path / "other"
         fd2 = os.open(other, os.O_WRONLY | os.O_CREAT, 0o600)  # another PUT's partial
         try:
+            release.set()
             with pytest.raises(asyncio.CancelledError):
                 await t
             assert t.cancelled()
-            await asyncio.sleep(0.3)
+            await _threads_gone("upload-write")  # every queued write has run
         finally:
             os.close(fd2)
         assert other.read_bytes() == b""
@@ -366,7 +385,7 @@ def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
     run(go())
 
 
-# --- 4./5. no orphaned blobs, no blob collected under a commit ---------------------------------
+# --- no orphaned blobs, no blob collected under a commit ------------------------------------------
 
 
 def test_discarded_session_collects_blobs_it_found_present(node):
@@ -385,16 +404,24 @@ def test_discarded_session_collects_blobs_it_found_present(node):
     run(go())
 
 
+def _held_assemble(node: Node, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make ``store.assemble`` signal ``entered`` and wait for ``release`` before it runs."""
+    real = node.store.assemble
+    entered, release = threading.Event(), threading.Event()
+
+    def held(*a, **k):
+        entered.set()
+        release.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(node.store, "assemble", held)
+    return entered, release
+
+
 def test_discard_during_commit_keeps_the_committing_blobs(node, monkeypatch):
     fa = {"adapter_config.json": CFG, "adapter_model.safetensors": b"A" * 64}
     fb = {"adapter_config.json": CFG, "adapter_model.safetensors": b"B" * 64}
-    real = node.store.assemble
-
-    def slow(*a, **k):
-        time.sleep(0.2)
-        return real(*a, **k)
-
-    monkeypatch.setattr(node.store, "assemble", slow)
+    entered, release = _held_assemble(node, monkeypatch)
 
     async def go():
         sa = node.uploads.open(manifest("a", 1, fa), node.svc.check_version)
@@ -403,8 +430,9 @@ def test_discard_during_commit_keeps_the_committing_blobs(node, monkeypatch):
         assert sb.present == ["adapter_config.json"]
         await node.put(sb.upload_id, "adapter_model.safetensors", fb["adapter_model.safetensors"])
         t = asyncio.create_task(node.svc.commit(sb.upload_id))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(entered.wait, 10)  # b's commit is assembling
         node.uploads.close(sa.upload_id, keep_blobs=False)  # a's discard meanwhile
+        release.set()
         rec = await t
         assert (Path(rec.path) / "adapter_config.json").read_bytes() == CFG
 
@@ -418,18 +446,14 @@ def test_register_pins_blobs_it_found_present(node, monkeypatch, tmp_path):
     for p, b in files.items():
         (src / p).write_bytes(b)
     node.svc.allow = [(tmp_path / "shared").resolve()]
-    real = node.store.assemble
-
-    def slow(*a, **k):
-        time.sleep(0.2)
-        return real(*a, **k)
 
     async def go():
         await node.publish(files, name="old")  # the blobs are present, linked by old v1 only
-        monkeypatch.setattr(node.store, "assemble", slow)
+        entered, release = _held_assemble(node, monkeypatch)
         t = asyncio.create_task(node.svc.register(manifest("new", 1, files), str(src)))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(entered.wait, 10)  # new's register is assembling
         await node.svc.unload("old", 1)
+        release.set()
         rec = await t
         assert (Path(rec.path) / "adapter_model.safetensors").read_bytes() == b"R" * 64
 
@@ -510,7 +534,7 @@ def test_unexpected_error_is_an_enveloped_500(tmp_path, monkeypatch):
     rt.db.close()
 
 
-# --- 6. a refused reinstall keeps the desired state and the agent not ready ---------------------
+# --- a refused reinstall keeps the desired state and the agent not ready --------------------------
 
 
 def test_reconciler_keeps_desired_state_and_retries(node):
@@ -539,12 +563,12 @@ def test_reconciler_keeps_desired_state_and_retries(node):
         await rec.run_once()  # backing off: no second load right away
         assert loads["n"] == 1 and not rec.ready
         node.engine.refuse = None
-        await asyncio.sleep(0.05)
-        for _ in range(10):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not rec.ready:  # once the back-off has passed, the reinstall succeeds
+            assert loop.time() < deadline, rec.detail
+            await asyncio.sleep(0.02)
             await rec.run_once()
-            if rec.ready:
-                break
-            await asyncio.sleep(0.05)
         assert rec.ready and "foo@v1" in node.engine.held
         r = node.db.get("foo", 1).record
         assert r.state == AdapterState.ACTIVE and r.error is None
@@ -552,7 +576,7 @@ def test_reconciler_keeps_desired_state_and_retries(node):
     run(go())
 
 
-# --- 8. no walk of the blob store per request ---------------------------------------------------
+# --- no walk of the blob store per request --------------------------------------------------------
 
 
 def test_blob_bytes_is_counted_not_walked(tmp_path, monkeypatch):

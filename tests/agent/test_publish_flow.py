@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
@@ -11,14 +10,14 @@ import pytest
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import RemoteError
-from tests.agent.helpers import auth, completion, snapshot
+from tests.agent.helpers import auth, completion, put_cut, snapshot
 
 
 def publish(server, bundle: AdapterBundle, mode: str = "versioned", load: bool = True):
     """Upload every missing file of ``bundle``, commit, and (optionally) load it."""
 
     async def go():
-        async with AsyncAgentClient(server.url, server.token) as c:
+        async with AsyncAgentClient(server.url, server.spec.token) as c:
             sess = await c.open_upload(bundle.manifest)
             for path in sess.missing:
                 entry = bundle.manifest.file(path)
@@ -38,7 +37,7 @@ def _source(bundle: AdapterBundle, path: str):
 
 def call(server, coro_fn):
     async def go():
-        async with AsyncAgentClient(server.url, server.token) as c:
+        async with AsyncAgentClient(server.url, server.spec.token) as c:
             return await coro_fn(c)
 
     return asyncio.run(go())
@@ -58,7 +57,7 @@ def test_upload_commit_load_serves(agent, engine, peft_dir):
         assert [(r.name, r.version, r.state.value) for r in listed] == [("flow", 1, "active")]
         # the adapter directory is made of hard links into the blob store
         for f in bundle.files:
-            assert (agent.data_dir / "blobs" / "sha256" / f.sha256).stat().st_nlink == 2
+            assert (agent.spec.data_dir / "blobs" / "sha256" / f.sha256).stat().st_nlink == 2
         # dedup: the same files again need no bytes
         b2 = bundle.with_version(2)
         sess2, rec2 = publish(agent, b2)
@@ -78,25 +77,11 @@ def test_upload_commit_load_serves(agent, engine, peft_dir):
         call(agent, lambda c: c.unload("flow", 2))
     finally:
         call(agent, lambda c: c.unload("flow", 1))
-    snap = snapshot(agent.data_dir)
+    snap = snapshot(agent.spec.data_dir)
     assert snap["files"] == {} and snap["staging_bytes"] == 0
     # after v1 is removed (rollback), publishing v1 again works
     publish(agent, bundle, load=False)
     call(agent, lambda c: c.unload("flow", 1))
-
-
-def _raw_put_cut(server, upload_id: str, path: str, data: bytes, cut_after: int) -> None:
-    """Send a PUT declaring all of ``data`` but close the socket after ``cut_after`` bytes."""
-    host, port = server.url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)))
-    head = (
-        f"PUT /v1/uploads/{upload_id}/files/{path} HTTP/1.1\r\nHost: {host}\r\n"
-        f"Authorization: Bearer {server.token}\r\nContent-Length: {len(data)}\r\n"
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode()
-    s.sendall(head + data[:cut_after])
-    s.shutdown(socket.SHUT_RDWR)
-    s.close()
 
 
 def test_resume_after_cut_connection(agent, tmp_path):
@@ -113,7 +98,7 @@ def test_resume_after_cut_connection(agent, tmp_path):
     bundle = AdapterBundle.from_dir(d, name="resume", version=1)
     sess = call(agent, lambda c: c.open_upload(bundle.manifest))
     entry = bundle.manifest.file("adapter_model.safetensors")
-    _raw_put_cut(agent, sess.upload_id, entry.path, weights, cut_after=(2 << 20) + 12345)
+    put_cut(agent, sess.upload_id, entry.path, weights, cut_after=(2 << 20) + 12345)
     h = auth(agent)
     url = f"{agent.url}/v1/uploads/{sess.upload_id}/files/{entry.path}"
     offset = 0
@@ -144,9 +129,9 @@ def test_resume_after_cut_connection(agent, tmp_path):
     assert r.status_code == 200, r.text
     assert r.json()["complete"] is True
     # the verified bytes are in the blob store, exactly
-    blob = agent.data_dir / "blobs" / "sha256" / entry.sha256
+    blob = agent.spec.data_dir / "blobs" / "sha256" / entry.sha256
     assert blob.read_bytes() == weights
-    assert snapshot(agent.data_dir)["staging_bytes"] == 0
+    assert snapshot(agent.spec.data_dir)["staging_bytes"] == 0
     call(agent, lambda c: c.discard(sess.upload_id))
     assert not blob.exists()
 
@@ -204,7 +189,7 @@ def test_client_resumes_through_a_flaky_proxy(agent, tmp_path):
         port_holder["port"] = srv.sockets[0].getsockname()[1]
         try:
             async with AsyncAgentClient(
-                f"http://127.0.0.1:{port_holder['port']}", agent.token
+                f"http://127.0.0.1:{port_holder['port']}", agent.spec.token
             ) as c:
                 sess = await c.open_upload(bundle.manifest)
                 for p in sess.missing:
@@ -217,17 +202,17 @@ def test_client_resumes_through_a_flaky_proxy(agent, tmp_path):
 
     status = asyncio.run(go())
     assert all(f.complete for f in status.files)
-    assert snapshot(agent.data_dir) == {"staging_bytes": 0, "files": {}}
+    assert snapshot(agent.spec.data_dir) == {"staging_bytes": 0, "files": {}}
 
 
-def test_agent_restart_keeps_desired_state(agent_factory, engine, peft_dir, procs):
+def test_agent_restart_keeps_desired_state(agent_factory, engine, peft_dir):
     _kind, eng = engine
     a1 = agent_factory()
     bundle = AdapterBundle.from_dir(peft_dir, name="keep", version=1)
     publish(a1, bundle)
     call(a1, lambda c: c.activate("keep", 1))
     a1.proc.stop()
-    a2 = agent_factory(data_dir=a1.data_dir, token=a1.token)
+    a2 = agent_factory(data_dir=a1.spec.data_dir, token=a1.spec.token)
     try:
         listed = call(a2, lambda c: c.list_adapters())
         assert [(r.name, r.version, r.state.value) for r in listed] == [("keep", 1, "active")]
@@ -242,7 +227,7 @@ def test_rank_over_engine_limit_refused_before_load(agent, peft_dir_rank32):
         publish(agent, bundle)
     assert ei.value.status == 422 and ei.value.code == "adapter_invalid"
     assert "rank" in ei.value.message
-    snap = snapshot(agent.data_dir)
+    snap = snapshot(agent.spec.data_dir)
     assert snap["files"] == {} and snap["staging_bytes"] == 0
 
 
@@ -262,7 +247,7 @@ def test_operations_on_one_name_are_serialized(agent, peft_dir, peft_dir2):
     publish(agent, b2, load=False)
 
     async def go():
-        async with AsyncAgentClient(agent.url, agent.token) as c:
+        async with AsyncAgentClient(agent.url, agent.spec.token) as c:
             recs = await asyncio.gather(c.load("ser", 1), c.load("ser", 2), c.load("ser", 1))
             acts = await asyncio.gather(c.activate("ser", 1), c.activate("ser", 2))
             listed = await c.list_adapters()
@@ -339,4 +324,4 @@ def test_reopening_the_same_manifest_returns_its_session(agent, peft_dir, peft_d
     assert again.missing == ["adapter_model.safetensors"]
     assert refused is not None and refused.status == 409
     assert refused.code == "publish_in_progress"
-    assert snapshot(agent.data_dir)["staging_bytes"] == 0
+    assert snapshot(agent.spec.data_dir)["staging_bytes"] == 0

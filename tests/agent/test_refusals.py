@@ -6,13 +6,13 @@ import base64
 import hashlib
 import json
 import os
-import time
 
 import httpx
 import pytest
 
 from lorafleet.bundle.manifest import FileEntry, Manifest
-from tests.agent.helpers import auth, snapshot
+from lorafleet.testing import wait_until
+from tests.agent.helpers import auth, put_cut, snapshot
 
 CFG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
 
@@ -46,9 +46,9 @@ def _expect(r: httpx.Response, status: int, code: str) -> None:
 @pytest.fixture
 def unchanged(agent):
     """Assert the store is byte-for-byte unchanged and staging empty after the test body."""
-    before = snapshot(agent.data_dir)
+    before = snapshot(agent.spec.data_dir)
     yield agent
-    after = snapshot(agent.data_dir)
+    after = snapshot(agent.spec.data_dir)
     assert after["staging_bytes"] == 0
     assert after["files"] == before["files"]
 
@@ -81,7 +81,7 @@ def test_flipped_byte(unchanged):
     assert WEIGHTS["sha256"] in r.json()["error"]["message"]
     assert _sha(bytes(bad)) in r.json()["error"]["message"]
     assert "adapter_model.safetensors" in r.json()["error"]["message"]
-    assert snapshot(a.data_dir)["staging_bytes"] == 0
+    assert snapshot(a.spec.data_dir)["staging_bytes"] == 0
     # the same file can be sent again correctly, then the session discarded
     assert _put(a, uid, DATA).status_code == 200
     assert httpx.delete(f"{a.url}/v1/uploads/{uid}", headers=auth(a)).status_code == 204
@@ -197,20 +197,20 @@ def test_invalid_adapter_committed_leaves_nothing(unchanged):
 
 def test_over_the_file_cap(agent_factory):
     a = agent_factory("--max-file-bytes", "1000")
-    before = snapshot(a.data_dir)
+    before = snapshot(a.spec.data_dir)
     r = _open(a, _manifest(files=[WEIGHTS]))
     _expect(r, 413, "file_too_large")
-    assert snapshot(a.data_dir) == before
+    assert snapshot(a.spec.data_dir) == before
 
 
 def test_over_the_quota(agent_factory):
     a = agent_factory("--quota-bytes", str(100 << 10))
-    before = snapshot(a.data_dir)
+    before = snapshot(a.spec.data_dir)
     r = _open(a, _manifest(files=[WEIGHTS]))
     _expect(r, 507, "quota_exceeded")
     msg = r.json()["error"]["message"]
     assert str(len(DATA)) in msg and str(100 << 10) in msg
-    assert snapshot(a.data_dir) == before
+    assert snapshot(a.spec.data_dir) == before
 
 
 def test_shared_fs_register(agent_factory, peft_dir, tmp_path):
@@ -223,7 +223,7 @@ def test_shared_fs_register(agent_factory, peft_dir, tmp_path):
     a = agent_factory("--shared-fs-allow", str(allowed))
     bundle = AdapterBundle.from_dir(allowed / "a", name="shared", version=1)
     body = {"manifest": bundle.manifest.model_dump(mode="json")}
-    before = snapshot(a.data_dir)
+    before = snapshot(a.spec.data_dir)
     # outside the allow-list, including through a symlink
     r = httpx.post(
         a.url + "/v1/adapters/register", json={**body, "path": str(peft_dir)}, headers=auth(a)
@@ -244,7 +244,7 @@ def test_shared_fs_register(agent_factory, peft_dir, tmp_path):
         a.url + "/v1/adapters/register", json={**body, "path": str(allowed / "a")}, headers=auth(a)
     )
     _expect(r, 422, "digest_mismatch")
-    assert snapshot(a.data_dir) == before
+    assert snapshot(a.spec.data_dir) == before
     w.write_bytes(orig)
     r = httpx.post(
         a.url + "/v1/adapters/register", json={**body, "path": str(allowed / "a")}, headers=auth(a)
@@ -262,22 +262,33 @@ def test_shared_fs_register(agent_factory, peft_dir, tmp_path):
 
 
 def test_ttl_reaping(agent_factory):
-    a = agent_factory("--upload-ttl", "1")
-    before = snapshot(a.data_dir)
-    uid = _session(a, files=[WEIGHTS, _manifest()["files"][0]])
+    """An idle session is reaped: both the blob it added and its partial upload are removed."""
+    a = agent_factory("--upload-ttl", "2")
+    before = snapshot(a.spec.data_dir)
     cfg = json.dumps(CFG).encode()
-    assert _put(a, uid, cfg, path="adapter_config.json").status_code == 200
-    # a partial upload of the weights
-    r = _put(a, uid, DATA[:1000] if False else DATA)  # full file: a blob added by the session
-    assert r.status_code == 200
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if httpx.get(f"{a.url}/v1/uploads/{uid}", headers=auth(a)).status_code == 404:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail("upload not reaped")
-    assert snapshot(a.data_dir) == before
+    uid = _session(a, files=[WEIGHTS, _manifest()["files"][0]])
+    assert _put(a, uid, cfg, path="adapter_config.json").status_code == 200  # a blob added
+    # A partial upload of the weights: the connection drops part way. More than the server's
+    # 64 KiB read buffer is sent, so the agent reads (and keeps) bytes before it sees the drop.
+    cut = 100_000
+    put_cut(a, uid, WEIGHTS["path"], DATA, cut_after=cut)
+    url = f"{a.url}/v1/uploads/{uid}/files/{WEIGHTS['path']}"
+    offset = 0
+
+    def partial_is_durable() -> bool:  # HEAD also keeps the session alive meanwhile
+        nonlocal offset
+        offset = int(httpx.head(url, headers=auth(a)).headers["Upload-Offset"])
+        return offset > 0
+
+    wait_until(partial_is_durable, message="the cut upload left no durable bytes")
+    during = snapshot(a.spec.data_dir)
+    assert 0 < offset <= cut and during["staging_bytes"] == offset
+    assert f"blobs/sha256/{_sha(cfg)}" in set(during["files"]) - set(before["files"])
+    wait_until(
+        lambda: httpx.get(f"{a.url}/v1/uploads/{uid}", headers=auth(a)).status_code == 404,
+        message="upload not reaped",
+    )
+    assert snapshot(a.spec.data_dir) == before
     assert "lorafleet_agent_reaped_uploads_total 1.0" in httpx.get(a.url + "/metrics").text
 
 
@@ -286,7 +297,7 @@ def test_startup_clears_stale_staging(agent_factory, tmp_path):
     (d / "staging" / "deadbeef").mkdir(parents=True)
     (d / "staging" / "deadbeef" / "adapter_model.safetensors.partial").write_bytes(b"x" * 4096)
     a = agent_factory(data_dir=d)
-    assert snapshot(a.data_dir)["staging_bytes"] == 0
+    assert snapshot(a.spec.data_dir)["staging_bytes"] == 0
     assert list((d / "staging").iterdir()) == []
 
 

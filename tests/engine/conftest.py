@@ -53,7 +53,7 @@ def engine(request) -> Iterator[Target]:
         srv = request.getfixturevalue("vllm_server")
         rank = VLLM_MAX_LORA_RANK
     with httpx.Client(base_url=srv.url, timeout=60) as client:
-        yield Target(request.param, srv.url, srv.model, rank, client)
+        yield Target(request.param, srv.url, srv.spec.served_model_name, rank, client)
 
 
 class Loaded:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.engine_helpers import PROMPT, expected, expected_ids
+from tests.engine.helpers import PROMPT, expected, expected_ids
 
 
 def complete(engine, model: str | None = None, prompt=PROMPT, **kw) -> dict:

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.engine.engine_helpers import PROMPT, expected
+from tests.engine.helpers import PROMPT, expected
 
 
 @pytest.fixture

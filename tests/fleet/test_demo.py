@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from lorafleet._procs import lorafleet_argv
+from lorafleet.launch import lorafleet_argv
 
 
 def test_demo_resume_restores_serving(tmp_path: Path, tiny_model: Path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet._procs import ManagedProcess, lorafleet_argv
 from lorafleet.fleet.state import FleetInfo, pid_alive, read_fleet_file
+from lorafleet.launch import ManagedProcess, lorafleet_argv
 
 
 def _wait_for_fleet(up: ManagedProcess, data_dir: Path, timeout: float = 150.0) -> FleetInfo:
@@ -106,14 +106,16 @@ def test_up_rejects_a_bad_fleet_file(tmp_path: Path) -> None:
     assert out.returncode == 2 and "needs url" in out.stderr
 
 
-def test_local_fleet_fronts_an_engine_it_did_not_start(procs, tiny_model: Path, tmp_path) -> None:
+def test_local_fleet_fronts_an_engine_it_did_not_start(
+    launcher, tiny_model: Path, tmp_path
+) -> None:
     """A ``[[replica]] url = ...`` engine: the fleet starts only the agent and leaves it running."""
     import httpx
 
     from lorafleet.fleet import FleetConfig, LocalFleet, ReplicaConfig
     from lorafleet.testing import start_reference_engine
 
-    engine = start_reference_engine(procs, tiny_model)
+    engine = start_reference_engine(launcher, tiny_model)
     config = FleetConfig(
         data_dir=tmp_path / "fleet",
         replicas=(ReplicaConfig(engine="reference", url=engine.url),),
@@ -130,4 +132,4 @@ def test_local_fleet_fronts_an_engine_it_did_not_start(procs, tiny_model: Path, 
         assert r.status_code == 200, r.text
         replica_id = httpx.get(fleet.agent_urls[0] + "/v1/info").json()["replica_id"]
         assert r.json()["lorafleet"]["replica"] == replica_id
-    assert engine.proc.alive()  # not ours to stop
+    assert engine.alive()  # not ours to stop

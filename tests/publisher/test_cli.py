@@ -18,11 +18,11 @@ def _publish(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_publish_cli_directory_and_native_checkpoint(make_fleet, tiny_model, tmp_path):
+def test_publish_cli_directory_and_native_checkpoint(launcher, make_fleet, tiny_model, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    fleet = make_fleet(2)
+    fleet = make_fleet(launcher, 2)
     target = [
         "--agents",
         ",".join(fleet.agent_urls),

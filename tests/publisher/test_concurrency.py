@@ -33,8 +33,8 @@ def _held(fleet, i: int) -> set[tuple[str, int, str, str]]:
     return {(a["name"], a["version"], a["state"], a["digest"]) for a in fleet.adapters(i)}
 
 
-def test_two_names_at_once_on_one_publisher_stay_apart(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_two_names_at_once_on_one_publisher_stay_apart(launcher, make_fleet, tiny_model, tmp_path):
+    fleet = make_fleet(launcher, 2)
     # Several MiB each, of different sizes, so that the two uploads overlap and are told apart.
     paths = {
         "alpha": make_peft_adapter(
@@ -94,8 +94,8 @@ def test_two_names_at_once_on_one_publisher_stay_apart(make_fleet, tiny_model, t
         assert status == 200 and body["lorafleet"]["version"] == 1, body
 
 
-def test_one_name_at_once_on_one_publisher_runs_in_turn(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_one_name_at_once_on_one_publisher_runs_in_turn(launcher, make_fleet, tiny_model, tmp_path):
+    fleet = make_fleet(launcher, 2)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=83)
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=16, seed=84)
 
@@ -143,10 +143,10 @@ def test_one_name_at_once_on_one_publisher_runs_in_turn(make_fleet, tiny_model, 
     assert status == 200 and body["lorafleet"]["version"] == 5, body
 
 
-def test_flip_refused_after_the_lease_was_lost(make_fleet, tiny_model, tmp_path):
+def test_flip_refused_after_the_lease_was_lost(launcher, make_fleet, tiny_model, tmp_path):
     """Mid-publication, the lease passes to another holder (as after an expiry): the router
     refuses the flip, and the publication rolls back and says who holds the name."""
-    fleet = make_fleet(1)
+    fleet = make_fleet(launcher, 1)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=85)
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=8, seed=86)
     leases = f"{fleet.router.url}/v1/control/leases/policy"

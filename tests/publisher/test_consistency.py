@@ -12,6 +12,7 @@ import threading
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.protocol.router import AliasTable
 from lorafleet.publisher import Publisher
@@ -23,9 +24,24 @@ pytestmark = pytest.mark.timeout(600)
 PUBLICATIONS = 100
 
 
+async def _routed(router_url: str, name: str) -> float:
+    """Requests for ``name`` the router has answered (its metrics)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(router_url + "/metrics")).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "lorafleet_router_requests"
+        for s in f.samples
+        if s.name.endswith("_total") and s.labels.get("adapter") == name
+    )
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_100_publications_under_load_are_consistent(make_fleet, tiny_model, tmp_path, stream):
-    fleet = make_fleet(2)
+def test_100_publications_under_load_are_consistent(
+    launcher, make_fleet, tiny_model, tmp_path, stream
+):
+    fleet = make_fleet(launcher, 2)
     adapters = [
         make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=50 + i) for i in range(2)
     ]
@@ -57,7 +73,10 @@ def test_100_publications_under_load_are_consistent(make_fleet, tiny_model, tmp_
                     max_tokens=2,
                 )
             )
-            await asyncio.sleep(0.5)  # the load is running before the first flip
+            # The load is running (the router has answered some of it) before the first flip.
+            while await _routed(fleet.router.url, "cons") < 5:
+                assert not load.done(), "the load ended before it reached the router"
+                await asyncio.sleep(0.05)
             worker = threading.Thread(target=publish_loop)
             worker.start()
             observations = await load

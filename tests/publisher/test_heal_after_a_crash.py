@@ -16,13 +16,13 @@ import pytest
 
 from lorafleet.errors import PublishError
 from lorafleet.publisher import Publisher
-from lorafleet.testing import make_peft_adapter, start_reference_engine
+from lorafleet.testing import make_peft_adapter
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _blobs(agent) -> set[str]:
-    return {p.name for p in (Path(agent.data_dir) / "blobs" / "sha256").iterdir()}
+    return {p.name for p in (agent.spec.data_dir / "blobs" / "sha256").iterdir()}
 
 
 def _digests(adapter_dir: Path) -> set[str]:
@@ -34,9 +34,9 @@ def _digests(adapter_dir: Path) -> set[str]:
 
 
 def test_engine_killed_mid_publish_heals_and_the_next_publish_succeeds(
-    make_fleet, procs, tiny_model, tmp_path
+    launcher, make_fleet, tiny_model, tmp_path
 ):
-    fleet = make_fleet(2)
+    fleet = make_fleet(launcher, 2)
     a, b, c = (make_peft_adapter(tiny_model, tmp_path / n, r=8, seed=40 + i)
                for i, n in enumerate("abc"))  # fmt: skip
     killed = []
@@ -63,8 +63,7 @@ def test_engine_killed_mid_publish_heals_and_the_next_publish_succeeds(
     assert "retiring" in err.failures[dead_id] or "could not be reached" in err.failures[dead_id]
 
     # The engine comes back (a supervisor restarts it on its port); no person touches anything.
-    engine = fleet.engines[0]
-    fleet.engines[0] = start_reference_engine(procs, tiny_model, port=engine.port)
+    launcher.restart(fleet.engines[0])  # same spec, same port
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         states = {(x["version"], x["state"]) for x in fleet.adapters(0)}
@@ -82,4 +81,4 @@ def test_engine_killed_mid_publish_heals_and_the_next_publish_succeeds(
     for i, agent in enumerate(fleet.agents):
         assert {(x["version"], x["digest"]) for x in fleet.adapters(i)} == {(2, result.digest)}
         assert not only_b & _blobs(agent)
-        assert not any(os.scandir(Path(agent.data_dir) / "staging"))
+        assert not any(os.scandir(agent.spec.data_dir / "staging"))

@@ -61,8 +61,8 @@ TRAINER = textwrap.dedent(
 )
 
 
-def test_ctrl_c_rolls_back_before_publish_raises(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_ctrl_c_rolls_back_before_publish_raises(launcher, make_fleet, tiny_model, tmp_path):
+    fleet = make_fleet(launcher, 2)
     small = make_peft_adapter(tiny_model, tmp_path / "small", r=8, seed=91)
     large = make_peft_adapter(
         tiny_model, tmp_path / "large", r=64, seed=92, target_modules=ALL_LINEAR
@@ -74,7 +74,7 @@ def test_ctrl_c_rolls_back_before_publish_raises(make_fleet, tiny_model, tmp_pat
         "router": fleet.router.url,
         "token": fleet.token,
         "adapter": str(large),
-        "data_dirs": [str(a.data_dir) for a in fleet.agents],
+        "data_dirs": [str(a.spec.data_dir) for a in fleet.agents],
     }
     proc = subprocess.run(
         [sys.executable, "-c", TRAINER, json.dumps(args)],

@@ -14,8 +14,8 @@ import threading
 import pytest
 from aiohttp import ClientSession, web
 
-from lorafleet._procs import free_port
 from lorafleet.errors import PublishError
+from lorafleet.launch import bind_listener
 from lorafleet.publisher import Publisher
 from lorafleet.publisher._transaction import FLIP_PROBE_ATTEMPTS
 from lorafleet.testing import greedy_completion, make_peft_adapter
@@ -29,7 +29,8 @@ class _LossyProxy:
 
     def __init__(self, target: str, mode: str = "applied") -> None:
         self.target, self.mode = target, mode
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.sock = bind_listener()  # bound now: no port race with other tests
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.armed, self.ready, self.stop = threading.Event(), threading.Event(), threading.Event()
         self.dropped: list[int] = []
         self.reads = 0
@@ -80,15 +81,17 @@ class _LossyProxy:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", int(self.url.rsplit(":", 1)[1])).start()
+        await web.SockSite(runner, self.sock).start()
         self.ready.set()
         while not self.stop.is_set():
             await asyncio.sleep(0.05)
         await runner.cleanup()
 
 
-def test_lost_answer_to_the_flip_is_resolved_by_asking_the_router(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_lost_answer_to_the_flip_is_resolved_by_asking_the_router(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    fleet = make_fleet(launcher, 2)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=71)
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=8, seed=72)
     with (
@@ -106,8 +109,10 @@ def test_lost_answer_to_the_flip_is_resolved_by_asking_the_router(make_fleet, ti
         assert {(x["version"], x["state"]) for x in fleet.adapters(i)} == {(2, "active")}
 
 
-def test_lost_flip_that_never_reached_the_router_rolls_back(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_lost_flip_that_never_reached_the_router_rolls_back(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    fleet = make_fleet(launcher, 2)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=73)
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=8, seed=74)
     with (
@@ -128,8 +133,10 @@ def test_lost_flip_that_never_reached_the_router_rolls_back(make_fleet, tiny_mod
     assert fleet.staging_bytes() == [0, 0]
 
 
-def test_lost_flip_with_an_unreadable_table_keeps_v_loaded(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_lost_flip_with_an_unreadable_table_keeps_v_loaded(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    fleet = make_fleet(launcher, 2)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=75)
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=8, seed=76)
     with (

@@ -54,10 +54,12 @@ def _alias(fleet, name):
 
 
 @pytest.mark.parametrize("transfer", ["remote_upload", "shared_filesystem", "in_memory"])
-def test_transfer_modes_deliver_and_serve(make_fleet, adapters, tiny_model, tmp_path, transfer):
+def test_transfer_modes_deliver_and_serve(
+    launcher, make_fleet, adapters, tiny_model, tmp_path, transfer
+):
     shared = tmp_path / "shared"
     shared.mkdir()
-    fleet = make_fleet(2, shared=shared)
+    fleet = make_fleet(launcher, 2, shared=shared)
     with Publisher(
         fleet.agent_urls, router=fleet.router.url, token=fleet.token, shared_dir=shared
     ) as pub:
@@ -89,8 +91,8 @@ def test_transfer_modes_deliver_and_serve(make_fleet, adapters, tiny_model, tmp_
     assert fleet.staging_bytes() == [0, 0]
 
 
-def test_republish_dedups_and_retires_old_version(make_fleet, adapters):
-    fleet = make_fleet(2)
+def test_republish_dedups_and_retires_old_version(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 2)
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
         r1 = pub.publish(str(adapters["a"]), name="policy")
         r2 = pub.publish(str(adapters["a"]), name="policy")  # same bytes, next version
@@ -118,8 +120,8 @@ def _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, adapter_v1):
     assert fleet.staging_bytes() == [0] * len(fleet.agents)
 
 
-def test_atomic_rollback_when_one_replica_refuses_rank(make_fleet, adapters, tiny_model):
-    fleet = make_fleet(2, ranks=[64, 16])  # replica 1 cannot take rank 32
+def test_atomic_rollback_when_one_replica_refuses_rank(launcher, make_fleet, adapters, tiny_model):
+    fleet = make_fleet(launcher, 2, ranks=[64, 16])  # replica 1 cannot take rank 32
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
         pub.publish(str(adapters["a"]), name="policy")
         with pytest.raises(PublishError) as err:
@@ -131,8 +133,8 @@ def test_atomic_rollback_when_one_replica_refuses_rank(make_fleet, adapters, tin
     _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, adapters["a"])
 
 
-def test_atomic_rollback_when_a_replica_dies_mid_upload(make_fleet, tiny_model, tmp_path):
-    fleet = make_fleet(2)
+def test_atomic_rollback_when_a_replica_dies_mid_upload(launcher, make_fleet, tiny_model, tmp_path):
+    fleet = make_fleet(launcher, 2)
     small = make_peft_adapter(tiny_model, tmp_path / "small", r=8, seed=21)
     # a bundle of a few MiB, so that the kill lands mid-stream (the client sends 1 MiB chunks)
     large = make_peft_model(
@@ -168,8 +170,8 @@ def test_atomic_rollback_when_a_replica_dies_mid_upload(make_fleet, tiny_model, 
     _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, small)
 
 
-def test_in_place_fails_closed(make_fleet, adapters):
-    fleet = make_fleet(2, ranks=[64, 16], router=False)
+def test_in_place_fails_closed(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 2, ranks=[64, 16], router=False)
     with Publisher(fleet.agent_urls, token=fleet.token) as pub:
         res = pub.publish(str(adapters["a"]), name="policy", mode="in_place")
         assert res.engine_name == "policy"
@@ -185,8 +187,8 @@ def test_in_place_fails_closed(make_fleet, adapters):
     assert fleet.staging_bytes() == [0, 0]
 
 
-def test_in_place_upsert_replaces_weights(make_fleet, adapters, tiny_model):
-    fleet = make_fleet(1, router=False)
+def test_in_place_upsert_replaces_weights(launcher, make_fleet, adapters, tiny_model):
+    fleet = make_fleet(launcher, 1, router=False)
     with Publisher(fleet.agent_urls, token=fleet.token) as pub:
         pub.publish(str(adapters["a"]), name="policy", mode="in_place")
         pub.publish(str(adapters["b"]), name="policy", mode="in_place")
@@ -206,11 +208,11 @@ def test_in_place_upsert_replaces_weights(make_fleet, adapters, tiny_model):
     )
 
 
-def test_resumed_run_native_checkpoint_first_publish(make_fleet, adapters, tiny_model):
+def test_resumed_run_native_checkpoint_first_publish(launcher, make_fleet, adapters, tiny_model):
     """Seed 004: engines start from base; the first publish installs a native-only checkpoint."""
     from safetensors.torch import load_file
 
-    fleet = make_fleet(2)
+    fleet = make_fleet(launcher, 2)
     tensors = load_file(adapters["b"] / "adapter_model.safetensors")
     native = {k.replace(".weight", ".default.weight"): v for k, v in tensors.items()}
     config = json.loads((adapters["b"] / "adapter_config.json").read_text())
@@ -224,8 +226,8 @@ def test_resumed_run_native_checkpoint_first_publish(make_fleet, adapters, tiny_
     assert routed == merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8)
 
 
-def test_stale_version_refused(make_fleet, adapters):
-    fleet = make_fleet(1)
+def test_stale_version_refused(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 1)
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
         pub.publish(str(adapters["a"]), name="policy", version=5)
         for stale in (5, 3):
@@ -235,8 +237,8 @@ def test_stale_version_refused(make_fleet, adapters):
     assert {a["version"] for a in fleet.adapters(0)} == {5}
 
 
-def test_concurrent_publishers_are_serialized(make_fleet, adapters):
-    fleet = make_fleet(1)
+def test_concurrent_publishers_are_serialized(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 1)
     headers = {"Authorization": f"Bearer {fleet.token}"}
     # another publisher holds the name: this one gets a clear error and changes nothing
     r = httpx.post(
@@ -273,8 +275,8 @@ def test_concurrent_publishers_are_serialized(make_fleet, adapters):
     assert len(results) + len(errors) >= 4
 
 
-def test_invalid_bundle_refused_before_any_byte(make_fleet, adapters, tmp_path):
-    fleet = make_fleet(1)
+def test_invalid_bundle_refused_before_any_byte(launcher, make_fleet, adapters, tmp_path):
+    fleet = make_fleet(launcher, 1)
     bad = tmp_path / "dora"
     bad.mkdir()
     for f in ("adapter_model.safetensors",):
@@ -290,8 +292,8 @@ def test_invalid_bundle_refused_before_any_byte(make_fleet, adapters, tmp_path):
     assert fleet.adapters(0) == []
 
 
-def test_unreachable_agent_fails_before_anything(make_fleet, adapters):
-    fleet = make_fleet(2)
+def test_unreachable_agent_fails_before_anything(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 2)
     fleet.agents[1].proc.stop()
     with (
         Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub,
@@ -301,7 +303,7 @@ def test_unreachable_agent_fails_before_anything(make_fleet, adapters):
     assert fleet.adapters(0) == []
 
 
-def test_rollback_leaves_another_publishers_version_alone(make_fleet, adapters):
+def test_rollback_leaves_another_publishers_version_alone(launcher, make_fleet, adapters):
     """v2 on the agent belongs to someone else (other bytes): a publisher without the name's
     lease must not remove it, whatever fails. A lease holder at the router owns every version
     above the active one: it supersedes such a never-activated v2 (a crashed publication's
@@ -310,7 +312,7 @@ def test_rollback_leaves_another_publishers_version_alone(make_fleet, adapters):
 
     from lorafleet.agent.client import AsyncAgentClient
 
-    fleet = make_fleet(1)
+    fleet = make_fleet(launcher, 1)
     theirs = AdapterBundle.from_dir(adapters["b"], name="policy", version=2)
 
     async def stage_theirs():
@@ -333,8 +335,8 @@ def test_rollback_leaves_another_publishers_version_alone(make_fleet, adapters):
     assert {(a["version"], a["digest"]) for a in fleet.adapters(0)} == {(2, ours.digest)}
 
 
-def test_in_place_failure_with_a_router_removes_the_alias(make_fleet, adapters):
-    fleet = make_fleet(2, ranks=[64, 16])
+def test_in_place_failure_with_a_router_removes_the_alias(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 2, ranks=[64, 16])
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
         pub.publish(str(adapters["a"]), name="policy", mode="in_place")
         assert routed_greedy(fleet.router, "policy")[1]["lorafleet"]["version"] == 1
@@ -345,13 +347,13 @@ def test_in_place_failure_with_a_router_removes_the_alias(make_fleet, adapters):
     assert status == 404 and body["error"]["code"] == "not_found"
 
 
-def test_cancelled_publication_rolls_back(make_fleet, tiny_model, tmp_path):
+def test_cancelled_publication_rolls_back(launcher, make_fleet, tiny_model, tmp_path):
     """Cancelling apublish mid-upload (a caller's timeout, a shutdown) leaves nothing behind."""
     import asyncio
 
     from lorafleet.publisher import AsyncPublisher
 
-    fleet = make_fleet(2)
+    fleet = make_fleet(launcher, 2)
     small = make_peft_adapter(tiny_model, tmp_path / "small", r=8, seed=61)
     large = make_peft_model(tiny_model, r=64, seed=62, target_modules=ALL_LINEAR)
 

@@ -21,20 +21,12 @@ pytestmark = pytest.mark.vllm
 PROMPT = "The quick brown fox"
 
 
-def test_publish_to_real_vllm(vllm_server, procs, tiny_model, tmp_path):
+def test_publish_to_real_vllm(vllm_server, launcher, tiny_model, tmp_path):
     token = secrets.token_urlsafe(12)
     agent = start_agent(
-        procs,
-        vllm_server,
-        tmp_path / "agent",
-        kind="vllm",
-        token=token,
-        extra=["--max-lora-rank", "16"],
-        timeout=60,
+        launcher, vllm_server, tmp_path / "agent", kind="vllm", token=token, max_lora_rank=16
     )
-    router = start_router(
-        procs, [agent], tmp_path / "router", token=token, extra=["--health-interval", "0.2"]
-    )
+    router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=41)
     b_model = make_peft_model(tiny_model, r=8, seed=42)
     b_dir = tmp_path / "b"

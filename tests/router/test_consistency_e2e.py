@@ -10,14 +10,14 @@ import pytest
 
 from lorafleet.protocol.router import AliasTable
 from lorafleet.router.consistency import check, generate_load
-from tests.router.rfleet import install_sync, set_alias, start_router, wait_healthy
+from tests.router.helpers import ctl, install_sync, set_alias, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def run_cutovers(router, fleet, versions, engine_names, stream=False):
     """~50 req/s for ``name`` while the alias flips through ``versions``; (observations, log)."""
-    ids = [m.replica_id for m in fleet]
+    ids = [m.replica_id for m in fleet.replicas]
 
     async def go():
         load = asyncio.create_task(
@@ -28,10 +28,10 @@ def run_cutovers(router, fleet, versions, engine_names, stream=False):
                 await asyncio.sleep(0.5)
                 body = {"version": v, "engine_name": engine_names[v], "replicas": ids}
                 r = await c.put(
-                    router.url + "/v1/control/aliases/cons", json=body, headers=router.ctl()
+                    router.url + "/v1/control/aliases/cons", json=body, headers=ctl(router)
                 )
                 assert r.status_code == 200, r.text
-            table = await c.get(router.url + "/v1/control/aliases", headers=router.ctl())
+            table = await c.get(router.url + "/v1/control/aliases", headers=ctl(router))
         return await load, AliasTable.model_validate(table.json()).log
 
     return asyncio.run(go())
@@ -39,26 +39,24 @@ def run_cutovers(router, fleet, versions, engine_names, stream=False):
 
 @pytest.fixture(scope="module")
 def cons_versions(fleet, peft_dir):
-    return {v: install_sync([m.agent for m in fleet], peft_dir, "cons", v) for v in (1, 2, 3, 4)}
+    return {v: install_sync(fleet.agents, peft_dir, "cons", v) for v in (1, 2, 3, 4)}
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_real_cutovers_are_consistent(procs, fleet, cons_versions, stream):
-    router = start_router(procs, [m.agent.url for m in fleet])
+def test_real_cutovers_are_consistent(launcher, fleet, cons_versions, stream):
+    router = fleet.start_router(launcher)
     wait_healthy(router, 2)
-    set_alias(router, "cons", 1, cons_versions[1], [m.replica_id for m in fleet])
+    set_alias(router, "cons", 1, cons_versions[1], [m.replica_id for m in fleet.replicas])
     observations, log = run_cutovers(router, fleet, [2, 3, 4], cons_versions, stream=stream)
     assert len(observations) == 150
     assert {o.version for o in observations} >= {1, 4}
     assert check(observations, log, "cons") == []
 
 
-def test_checker_catches_a_broken_cutover(procs, fleet, cons_versions):
-    router = start_router(
-        procs, [m.agent.url for m in fleet], extra=["--unsafe-resolve-at-forward", "0.2"]
-    )
+def test_checker_catches_a_broken_cutover(launcher, fleet, cons_versions):
+    router = fleet.start_router(launcher, extra=["--unsafe-resolve-at-forward", "0.2"])
     wait_healthy(router, 2)
-    set_alias(router, "cons", 1, cons_versions[1], [m.replica_id for m in fleet])
+    set_alias(router, "cons", 1, cons_versions[1], [m.replica_id for m in fleet.replicas])
     observations, log = run_cutovers(router, fleet, [2, 3, 4], cons_versions)
     kinds = {v.kind for v in check(observations, log, "cons")}
     assert "mixed_versions" in kinds  # tagged with the arrival version, served by the next one

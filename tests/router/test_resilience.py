@@ -22,7 +22,8 @@ from lorafleet.router.balancer import Balancer
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy
 from lorafleet.router.table import AliasStore
-from tests.router.rfleet import install_sync, set_alias, start_agent, start_router, wait_healthy
+from lorafleet.testing import start_agent, start_router
+from tests.router.helpers import ctl, install_sync, set_alias, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -160,38 +161,40 @@ def _bursts(router_url: str, model: str, *, bursts: int, size: int, gaps: list[f
 EDGE_GAPS = [4.9, 4.95, 5.0, 4.85, 5.05]
 
 
-def test_bursts_across_the_keepalive_edge_never_fail(procs, fleet, peft_dir):
-    a, b = fleet
+def test_bursts_across_the_keepalive_edge_never_fail(launcher, fleet, peft_dir):
+    a, b = fleet.replicas
     en = install_sync([a.agent, b.agent], peft_dir, "bursty", 1)
-    r = start_router(procs, [m.agent.url for m in fleet])
+    r = fleet.start_router(launcher)
     wait_healthy(r, 2)
     assert set_alias(r, "bursty", 1, en, [a.replica_id, b.replica_id]).status_code == 200
     results = _bursts(r.url, "bursty", bursts=7, size=30, gaps=EDGE_GAPS)
     failed = [x for x in results if x[0] != 200]
     assert len(results) == 210 and failed == [], failed[:5]
-    reps = httpx.get(r.url + "/v1/control/replicas", headers=r.ctl()).json()["replicas"]
+    reps = httpx.get(r.url + "/v1/control/replicas", headers=ctl(r)).json()["replicas"]
     assert all(x["healthy"] for x in reps), reps
 
 
-def test_a_stalled_agent_neither_drops_its_replica_nor_fails_requests(procs, fleet, peft_dir):
+def test_a_stalled_agent_neither_drops_its_replica_nor_fails_requests(launcher, fleet, peft_dir):
     """One replica whose agent stops answering probes (SIGSTOP; its engine still serves).
 
     Short stall: fewer failed probes than the threshold, the replica stays in rotation. Long
     stall: it leaves rotation, and with no healthy replica left for the version the router
     still tries it (panic) instead of answering 503 untried.
     """
-    a, _ = fleet
+    a, _ = fleet.replicas
     en = install_sync([a.agent], peft_dir, "stall", 1)
     r = start_router(
-        procs,
-        [a.agent.url],
+        launcher,
+        [a.agent],
+        token=fleet.token,
+        health_interval=fleet.health_interval,
         extra=["--health-timeout", "0.3", "--unhealthy-after", "4", "--healthy-after", "2"],
     )
     wait_healthy(r, 1)
     assert set_alias(r, "stall", 1, en, [a.replica_id]).status_code == 200
 
     def replica() -> dict:
-        return httpx.get(r.url + "/v1/control/replicas", headers=r.ctl()).json()["replicas"][0]
+        return httpx.get(r.url + "/v1/control/replicas", headers=ctl(r)).json()["replicas"][0]
 
     def complete() -> int:
         body = {"model": "stall", "prompt": "hi", "max_tokens": 2, "temperature": 0}
@@ -215,12 +218,11 @@ def test_a_stalled_agent_neither_drops_its_replica_nor_fails_requests(procs, fle
 
 
 @pytest.mark.vllm
-def test_bursts_across_the_keepalive_edge_on_real_vllm(vllm_server, procs, peft_dir, tmp_path):
+def test_bursts_across_the_keepalive_edge_on_real_vllm(vllm_server, launcher, peft_dir, tmp_path):
     agent = start_agent(
-        procs, vllm_server, tmp_path / "agent", kind="vllm", extra=["--replica-id", "v0"],
-        timeout=120,
-    )  # fmt: skip
-    r = start_router(procs, [agent.url])
+        launcher, vllm_server, tmp_path / "agent", kind="vllm", replica_id="v0", timeout=120
+    )
+    r = start_router(launcher, [agent], token=agent.spec.token)
     wait_healthy(r, 1, timeout=60)
     en = install_sync([agent], peft_dir, "vbursty", 1)
     try:
@@ -232,6 +234,6 @@ def test_bursts_across_the_keepalive_edge_on_real_vllm(vllm_server, procs, peft_
         httpx.post(
             f"{agent.url}/v1/adapters/unload",
             json={"name": "vbursty", "version": 1},
-            headers={"Authorization": f"Bearer {agent.token}"},
+            headers={"Authorization": f"Bearer {agent.spec.token}"},
             timeout=60,
         )

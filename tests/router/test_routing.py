@@ -9,27 +9,21 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from lorafleet.errors import RemoteError
 from lorafleet.router.client import AsyncRouterClient
-from tests.router.rfleet import (
-    CONTROL,
-    install_sync,
-    set_alias,
-    start_router,
-    wait_healthy,
-)
+from lorafleet.testing import wait_until
+from tests.router.helpers import ctl, install_sync, set_alias, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
-def router(procs, fleet):
-    r = start_router(procs, [m.agent.url for m in fleet])
+def router(launcher, fleet):
+    r = fleet.start_router(launcher)
     wait_healthy(r, 2)
     return r
 
@@ -48,7 +42,7 @@ def sse(text: str) -> list:
 
 
 def test_routes_by_version_with_tags(router, fleet, peft_dir):
-    a, b = fleet
+    a, b = fleet.replicas
     en1 = install_sync([a.agent], peft_dir, "route", 1)
     en2 = install_sync([b.agent], peft_dir, "route", 2)
     assert set_alias(router, "route", 1, en1, [a.replica_id]).status_code == 200
@@ -114,7 +108,7 @@ def test_base_model_unknown_and_no_replica(router, fleet):
         assert r.status_code == 200
         assert r.headers["X-Lorafleet-Adapter"] == "" and r.json()["lorafleet"]["version"] is None
         seen.add(r.headers["X-Lorafleet-Replica"])
-    assert seen == {m.replica_id for m in fleet}  # idle replicas take turns
+    assert seen == {m.replica_id for m in fleet.replicas}  # idle replicas take turns
     r = complete(router, "nope")
     assert r.status_code == 404
     err = r.json()["error"]
@@ -128,7 +122,7 @@ def test_base_model_unknown_and_no_replica(router, fleet):
 def test_openai_client_plain_and_streaming(router, fleet, peft_dir):
     import openai
 
-    a, b = fleet
+    a, b = fleet.replicas
     en = install_sync([a.agent, b.agent], peft_dir, "oai", 1)
     set_alias(router, "oai", 1, en, [a.replica_id, b.replica_id])
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
@@ -146,23 +140,23 @@ def test_openai_client_plain_and_streaming(router, fleet, peft_dir):
     assert [m.id for m in client.models.list()].count("oai") == 1
 
 
-def test_inference_key_and_control_token_are_separate(procs, fleet):
-    r = start_router(procs, [m.agent.url for m in fleet], api_key="inference-key")
+def test_inference_key_and_control_token_are_separate(launcher, fleet):
+    r = fleet.start_router(launcher, api_key="inference-key")
     wait_healthy(r, 2)
     key = {"Authorization": "Bearer inference-key"}
     assert complete(r, "tiny").status_code == 401
-    assert complete(r, "tiny", headers=r.ctl()).status_code == 403
+    assert complete(r, "tiny", headers=ctl(r)).status_code == 403
     assert complete(r, "tiny", headers=key).status_code == 200
-    assert httpx.get(r.url + "/v1/models", headers=r.ctl()).status_code == 403
+    assert httpx.get(r.url + "/v1/models", headers=ctl(r)).status_code == 403
     assert httpx.get(r.url + "/v1/models", headers=key).status_code == 200
     assert httpx.get(r.url + "/v1/control/aliases", headers=key).status_code == 403
     assert httpx.get(r.url + "/v1/control/aliases").status_code == 401
-    assert httpx.get(r.url + "/v1/control/aliases", headers=r.ctl()).status_code == 200
+    assert httpx.get(r.url + "/v1/control/aliases", headers=ctl(r)).status_code == 200
 
 
 def test_session_affinity_and_replacement_after_cutover(router, fleet, peft_dir):
-    en1 = install_sync([m.agent for m in fleet], peft_dir, "sess", 1)
-    set_alias(router, "sess", 1, en1, [m.replica_id for m in fleet])
+    en1 = install_sync(fleet.agents, peft_dir, "sess", 1)
+    set_alias(router, "sess", 1, en1, [m.replica_id for m in fleet.replicas])
     placed = {}
     for s in ("s1", "s2", "s3", "s4"):
         got = {
@@ -172,7 +166,7 @@ def test_session_affinity_and_replacement_after_cutover(router, fleet, peft_dir)
         assert len(got) == 1, got  # sticky
         placed[s] = got.pop()
     # v2 exists only on the replica s1 is NOT on: after the flip s1 must move there and stay.
-    other = next(m for m in fleet if m.replica_id != placed["s1"])
+    other = next(m for m in fleet.replicas if m.replica_id != placed["s1"])
     en2 = install_sync([other.agent], peft_dir, "sess", 2)
     set_alias(router, "sess", 2, en2, [other.replica_id])
     for _ in range(3):
@@ -190,15 +184,8 @@ def _inflight(router, name, version) -> float:
     return 0.0
 
 
-def _wait(cond, timeout=10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
-
-
 def test_drain_waits_for_a_slow_stream_and_counts_disconnects(router, fleet, peft_dir):
-    a, b = fleet
+    a, b = fleet.replicas
     en1 = install_sync([a.agent], peft_dir, "drn", 1)
     en2 = install_sync([b.agent], peft_dir, "drn", 2)
     en3 = install_sync([a.agent], peft_dir, "drn", 3)
@@ -216,17 +203,15 @@ def test_drain_waits_for_a_slow_stream_and_counts_disconnects(router, fleet, pef
     try:
         t = threading.Thread(target=stream, args=(None,))
         t.start()
-        _wait(lambda: _inflight(router, "drn", 1) == 1)
+        wait_until(lambda: _inflight(router, "drn", 1) == 1, message="the stream in flight")
         set_alias(router, "drn", 2, en2, [b.replica_id])
         assert complete(router, "drn").json()["lorafleet"]["version"] == 2  # new ones go to v2
         body = {"version": 1, "timeout_s": 0.5}
-        d = httpx.post(
-            f"{router.url}/v1/control/aliases/drn/drain", json=body, headers=router.ctl()
-        )
+        d = httpx.post(f"{router.url}/v1/control/aliases/drn/drain", json=body, headers=ctl(router))
         assert d.json() == {"name": "drn", "version": 1, "inflight": 1, "drained": False}
         active = {"version": 2, "timeout_s": 0}
         d = httpx.post(
-            f"{router.url}/v1/control/aliases/drn/drain", json=active, headers=router.ctl()
+            f"{router.url}/v1/control/aliases/drn/drain", json=active, headers=ctl(router)
         )
         assert d.status_code == 409
     finally:
@@ -235,7 +220,7 @@ def test_drain_waits_for_a_slow_stream_and_counts_disconnects(router, fleet, pef
     events = sse(result["r"].text)
     assert events[-2]["lorafleet"]["version"] == 1  # finished on the version it started on
     body = {"version": 1, "timeout_s": 10}
-    d = httpx.post(f"{router.url}/v1/control/aliases/drn/drain", json=body, headers=router.ctl())
+    d = httpx.post(f"{router.url}/v1/control/aliases/drn/drain", json=body, headers=ctl(router))
     assert d.json()["drained"] is True and d.json()["inflight"] == 0
 
     # A client that leaves mid-request is no longer counted: the drain completes at once.
@@ -246,10 +231,10 @@ def test_drain_waits_for_a_slow_stream_and_counts_disconnects(router, fleet, pef
     try:
         t = threading.Thread(target=stream, args=(1.0,))
         t.start()
-        _wait(lambda: _inflight(router, "drn", 3) == 1)
+        wait_until(lambda: _inflight(router, "drn", 3) == 1, message="the stream in flight")
         t.join(10)
         assert isinstance(result["r"], httpx.TimeoutException), result
-        _wait(lambda: _inflight(router, "drn", 3) == 0)
+        wait_until(lambda: _inflight(router, "drn", 3) == 0, message="the disconnect counted")
     finally:
         a.engine.proc.signal(signal.SIGCONT)
 
@@ -257,10 +242,10 @@ def test_drain_waits_for_a_slow_stream_and_counts_disconnects(router, fleet, pef
 def test_leases_cas_and_the_client(router, fleet, peft_dir):
     import asyncio
 
-    a, b = fleet
+    a, b = fleet.replicas
 
     async def go() -> None:
-        async with AsyncRouterClient(router.url, CONTROL) as c:
+        async with AsyncRouterClient(router.url, router.spec.token) as c:
             assert len((await c.replicas()).replicas) == 2
             await c.acquire_lease("lease", "pub-1", 30)
             with pytest.raises(RemoteError) as ei:
@@ -298,17 +283,15 @@ def test_leases_cas_and_the_client(router, fleet, peft_dir):
     assert "/v1/completions" in spec and "/v1/control/aliases/{name}" in spec
 
 
-def test_restart_keeps_the_alias_table(procs, fleet, peft_dir, tmp_path):
-    a, _ = fleet
+def test_restart_keeps_the_alias_table(launcher, fleet, peft_dir, tmp_path):
+    a, _ = fleet.replicas
     en = install_sync([a.agent], peft_dir, "keep", 1)
-    r = start_router(procs, [m.agent.url for m in fleet], state_dir=tmp_path / "state")
+    r = fleet.start_router(launcher, state_dir=tmp_path / "state")
     wait_healthy(r, 2)
     set_alias(r, "keep", 1, en, [a.replica_id])
-    before = httpx.get(r.url + "/v1/control/aliases", headers=r.ctl()).json()
-    r.proc.stop()
-    port = int(r.url.rsplit(":", 1)[1])
-    r2 = start_router(procs, [m.agent.url for m in fleet], state_dir=tmp_path / "state", port=port)
-    assert httpx.get(r2.url + "/v1/control/aliases", headers=r2.ctl()).json() == before
+    before = httpx.get(r.url + "/v1/control/aliases", headers=ctl(r)).json()
+    r2 = launcher.restart(r)  # same state dir, same port
+    assert httpx.get(r2.url + "/v1/control/aliases", headers=ctl(r2)).json() == before
     wait_healthy(r2, 2)
     resp = complete(r2, "keep")
     assert resp.status_code == 200 and resp.json()["lorafleet"]["version"] == 1
@@ -318,19 +301,19 @@ def test_restart_keeps_the_alias_table(procs, fleet, peft_dir, tmp_path):
 
 def test_bad_input_on_every_route_is_a_precise_4xx(router):
     """Malformed, oversized and incomplete bodies are refused and change nothing."""
-    url, ctl = router.url, router.ctl()
-    before = httpx.get(url + "/v1/control/aliases", headers=ctl).json()
+    url, auth = router.url, ctl(router)
+    before = httpx.get(url + "/v1/control/aliases", headers=auth).json()
     cases = [
         ("post", "/v1/completions", {"content": b"{not json"}, {}, 400, "invalid_request"),
         ("post", "/v1/completions", {"content": b"[1, 2]"}, {}, 400, "invalid_request"),
         ("post", "/v1/chat/completions", {"content": b"x" * (33 << 20)}, {}, 413, "body_too_large"),
-        ("put", "/v1/control/aliases/p", {"content": b"{not json"}, ctl, 400, "invalid_request"),
-        ("put", "/v1/control/aliases/p", {"json": {"version": 1}}, ctl, 400, "invalid_request"),
+        ("put", "/v1/control/aliases/p", {"content": b"{not json"}, auth, 400, "invalid_request"),
+        ("put", "/v1/control/aliases/p", {"json": {"version": 1}}, auth, 400, "invalid_request"),
         (
             "put",
             "/v1/control/aliases/p",
             {"json": {"version": 0, "engine_name": "p@v0", "replicas": ["x"]}},
-            ctl,
+            auth,
             400,
             "invalid_request",
         ),
@@ -338,7 +321,7 @@ def test_bad_input_on_every_route_is_a_precise_4xx(router):
             "put",
             "/v1/control/aliases/p",
             {"content": b"{" + b" " * (2 << 20) + b"}"},
-            ctl,
+            auth,
             413,
             "body_too_large",
         ),
@@ -346,11 +329,11 @@ def test_bad_input_on_every_route_is_a_precise_4xx(router):
             "post",
             "/v1/control/aliases/p/drain",
             {"json": {"version": "x"}},
-            ctl,
+            auth,
             400,
             "invalid_request",
         ),
-        ("post", "/v1/control/leases/p", {"json": {}}, ctl, 400, "invalid_request"),
+        ("post", "/v1/control/leases/p", {"json": {}}, auth, 400, "invalid_request"),
         (
             "put",
             "/v1/control/aliases/p",
@@ -366,11 +349,11 @@ def test_bad_input_on_every_route_is_a_precise_4xx(router):
         )
         assert r.status_code == status, (path, r.status_code, r.text[:200])
         assert r.json()["error"]["code"] == code, (path, r.text[:200])
-    assert httpx.get(url + "/v1/control/aliases", headers=ctl).json() == before
+    assert httpx.get(url + "/v1/control/aliases", headers=auth).json() == before
 
 
 def test_metrics_drop_retired_versions(router, fleet, peft_dir):
-    a, _ = fleet
+    a, _ = fleet.replicas
     names = {v: install_sync([a.agent], peft_dir, "metered", v) for v in (1, 2)}
     assert set_alias(router, "metered", 1, names[1], [a.replica_id]).status_code == 200
     assert complete(router, "metered").status_code == 200
@@ -384,12 +367,12 @@ def test_metrics_drop_retired_versions(router, fleet, peft_dir):
     assert not [ln for ln in text.splitlines() if 'adapter="metered"' in ln and 'version="1"' in ln]
 
 
-def test_retry_once_when_an_engine_dies(procs, fleet, peft_dir):
+def test_retry_once_when_an_engine_dies(launcher, fleet, peft_dir):
     """Runs last: it kills replica a's engine. A slow health poll keeps the dead replica in the
     table, so the first request sent there meets a refused connection and is retried on b."""
-    a, b = fleet
+    a, b = fleet.replicas
     en = install_sync([a.agent, b.agent], peft_dir, "retry", 1)
-    r = start_router(procs, [m.agent.url for m in fleet], extra=["--health-interval", "30"])
+    r = fleet.start_router(launcher, health_interval=30)
     wait_healthy(r, 2)
     set_alias(r, "retry", 1, en, [a.replica_id, b.replica_id])
     a.engine.proc.kill()
@@ -399,5 +382,5 @@ def test_retry_once_when_an_engine_dies(procs, fleet, peft_dir):
         assert resp.headers["X-Lorafleet-Replica"] == b.replica_id
     assert "lorafleet_router_retries_total 1.0" in httpx.get(r.url + "/metrics").text
     reps = {x["replica_id"]: x for x in httpx.get(r.url + "/v1/control/replicas",
-                                                  headers=r.ctl()).json()["replicas"]}  # fmt: skip
+                                                  headers=ctl(r)).json()["replicas"]}  # fmt: skip
     assert reps[a.replica_id]["healthy"] is False

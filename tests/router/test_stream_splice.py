@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
 import pytest
 from aiohttp import web
 
-from lorafleet._procs import free_port
-from tests.router.rfleet import start_router, wait_healthy
+from lorafleet.launch import bind_listener
+from lorafleet.testing import start_router
+from tests.router.helpers import wait_healthy
 
 TEXT = 'say data: [DONE] now\\n\\ndata: [DONE] \\"quoted\\"'
 EVENT = (
@@ -25,7 +27,11 @@ EVENT = (
 )
 
 
-def _serve(port: int, agent_port: int, piece: int, stop: threading.Event) -> None:
+def _serve(
+    engine_sock: socket.socket, agent_sock: socket.socket, piece: int, stop: threading.Event
+) -> None:
+    port = engine_sock.getsockname()[1]
+
     async def completions(request: web.Request) -> web.StreamResponse:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -57,10 +63,10 @@ def _serve(port: int, agent_port: int, piece: int, stop: threading.Event) -> Non
         agent.router.add_get("/v1/info", info)
         agent.router.add_get("/health", health)
         runners = []
-        for app, p in ((engine, port), (agent, agent_port)):
+        for app, sock in ((engine, engine_sock), (agent, agent_sock)):
             r = web.AppRunner(app, access_log=None)
             await r.setup()
-            await web.TCPSite(r, "127.0.0.1", p).start()
+            await web.SockSite(r, sock).start()
             runners.append(r)
         while not stop.is_set():
             await asyncio.sleep(0.05)
@@ -71,13 +77,14 @@ def _serve(port: int, agent_port: int, piece: int, stop: threading.Event) -> Non
 
 
 @pytest.mark.parametrize("piece", [1, 7, 64, 4096])
-def test_tag_lands_before_the_real_done(procs, piece):
-    port, agent_port = free_port(), free_port()
+def test_tag_lands_before_the_real_done(launcher, piece):
+    engine_sock, agent_sock = bind_listener(), bind_listener()
+    agent_url = f"http://127.0.0.1:{agent_sock.getsockname()[1]}"
     stop = threading.Event()
-    t = threading.Thread(target=_serve, args=(port, agent_port, piece, stop), daemon=True)
+    t = threading.Thread(target=_serve, args=(engine_sock, agent_sock, piece, stop), daemon=True)
     t.start()
     try:
-        router = start_router(procs, [f"http://127.0.0.1:{agent_port}"])
+        router = start_router(launcher, [agent_url], token="ctl", health_interval=0.2)
         wait_healthy(router, 1)
         with httpx.stream(
             "POST",

@@ -5,19 +5,19 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.router.rfleet import install_sync, set_alias, start_agent, start_router, wait_healthy
+from lorafleet.testing import start_agent, start_router
+from tests.router.helpers import install_sync, set_alias, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def test_router_on_real_vllm(vllm_server, procs, peft_dir, tmp_path):
+def test_router_on_real_vllm(vllm_server, launcher, peft_dir, tmp_path):
     import openai
 
     agent = start_agent(
-        procs, vllm_server, tmp_path / "agent", kind="vllm", extra=["--replica-id", "vllm-0"],
-        timeout=120,
-    )  # fmt: skip
-    router = start_router(procs, [agent.url])
+        launcher, vllm_server, tmp_path / "agent", kind="vllm", replica_id="vllm-0", timeout=120
+    )
+    router = start_router(launcher, [agent], token=agent.spec.token, health_interval=0.2)
     wait_healthy(router, 1, timeout=60)
     en1 = install_sync([agent], peft_dir, "vpol", 1)
     assert set_alias(router, "vpol", 1, en1, ["vllm-0"]).status_code == 200

@@ -8,6 +8,7 @@ import secrets
 import click
 
 from lorafleet.agent.uploads import UploadLimits
+from lorafleet.launch.listen import fd_option
 
 _GiB = 1 << 30
 
@@ -19,16 +20,22 @@ _GiB = 1 << 30
 @click.option(
     "--engine-url", required=True, help="Base URL of the engine, e.g. http://127.0.0.1:8000"
 )
-@click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="Adapter store.")
+@click.option(
+    "--data-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Adapter store; one agent per directory.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=int)
+@fd_option
 @click.option(
     "--control-token",
     envvar="LORAFLEET_CONTROL_TOKEN",
     default=None,
     help="Bearer token for mutating routes (generated and printed if absent).",
 )
-@click.option("--replica-id", default=None, help="Default: host:port.")
+@click.option("--replica-id", default=None, help="Default: host:port (of the --fd socket).")
 @click.option("--served-model-name", default=None, help="Default: discovered from the engine.")
 @click.option("--max-file-bytes", default=128 * _GiB, show_default=True, type=int)
 @click.option("--quota-bytes", default=None, type=int, help="Default: free disk minus 1 GiB.")
@@ -55,6 +62,7 @@ def command(
     data_dir: str,
     host: str,
     port: int,
+    fd: int | None,
     control_token: str | None,
     replica_id: str | None,
     served_model_name: str | None,
@@ -70,10 +78,16 @@ def command(
     """Run the agent: verified uploads, a durable adapter store, engine loading, reconciliation."""
     import logging
 
-    import uvicorn
-
+    from lorafleet._dirlock import DirectoryLocked, lock_directory
     from lorafleet.agent.app import AgentConfig, create_app
+    from lorafleet.launch.listen import listen_address, serve
 
+    host, port = listen_address(host, port, fd)
+    # Taken before the app opens the store: a second agent would corrupt the first one's state.
+    try:
+        lock = lock_directory(data_dir, holder=f"lorafleet agent on {host}:{port}")
+    except DirectoryLocked as exc:
+        raise click.ClickException(str(exc)) from exc
     if not control_token:
         control_token = secrets.token_urlsafe(24)
         click.echo(f"lorafleet agent: generated control token: {control_token}", err=True)
@@ -97,11 +111,15 @@ def command(
         max_adapters=max_adapters,
         sglang_upsert=sglang_upsert,
     )
-    uvicorn.run(
-        create_app(cfg),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        serve(
+            create_app(cfg),
+            host=host,
+            port=port,
+            fd=fd,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        lock.release()

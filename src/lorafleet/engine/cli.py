@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from lorafleet.launch.listen import fd_option
+
 __all__ = ["command"]
 
 
@@ -34,6 +36,7 @@ def _threads() -> int:
 @click.option("--served-model-name", default=None, help="Model id clients use (default: dir name).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
+@fd_option
 @click.option("--max-loras", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-model-len", default=None, type=click.IntRange(min=1))
@@ -49,6 +52,7 @@ def command(
     served_model_name: str | None,
     host: str,
     port: int,
+    fd: int | None,
     max_loras: int,
     max_lora_rank: int,
     max_model_len: int | None,
@@ -57,11 +61,11 @@ def command(
 ) -> None:
     """Run the reference engine: a CPU inference server with runtime LoRA (torch + PEFT)."""
     import torch
-    import uvicorn
     from transformers.utils import logging as hf_logging
 
     from lorafleet.engine._runtime import Runtime
     from lorafleet.engine.app import create_app
+    from lorafleet.launch.listen import serve
 
     hf_logging.disable_progress_bar()  # a progress bar per start only clutters the server log
     torch.set_num_threads(_threads())
@@ -74,6 +78,6 @@ def command(
     )
     app = create_app(runtime, api_key=api_key)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        serve(app, host=host, port=port, fd=fd, log_level=log_level, access_log=False)
     finally:
         runtime.close()

@@ -1,4 +1,4 @@
-"""Local fleets: the launcher (``LocalFleet``), the fleet file, ``fleet.json``, and the demo.
+"""Local fleets: ``LocalFleet`` (on ``lorafleet.launch``), the fleet file, ``fleet.json``, the demo.
 
 Torch-free: the demo's trainer lives in ``lorafleet.fleet.skill`` and imports torch lazily.
 """

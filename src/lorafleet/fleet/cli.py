@@ -39,7 +39,8 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
     "--data-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help=f"Logs, agent stores, router state and fleet.json [default: {DEFAULT_DATA_DIR}].",
+    help="Logs, agent stores, router state and fleet.json; one fleet per directory "
+    f"[default: {DEFAULT_DATA_DIR}].",
 )
 @click.option(
     "--engines",
@@ -55,23 +56,14 @@ def up_command(fleet_file: str | None, data_dir: str | None, engines: int | None
     """
     from rich.console import Console
 
+    from lorafleet._dirlock import DirectoryLocked
     from lorafleet.fleet.config import FleetConfigError, load_fleet_config
     from lorafleet.fleet.local import LocalFleet
-    from lorafleet.fleet.state import FleetNotFound, pid_alive, read_fleet_file
 
     try:
         config = load_fleet_config(fleet_file, engines=engines, data_dir=data_dir)
     except FleetConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    try:
-        running = read_fleet_file(config.data_dir)
-        if pid_alive(running.pid):
-            raise click.ClickException(
-                f"a fleet is already running from {config.data_dir} (pid {running.pid}); "
-                "stop it or use another --data-dir"
-            )
-    except (FleetNotFound, ValueError):
-        pass
 
     console = Console()
     fleet = LocalFleet(config, on_event=lambda m: console.print(f"[dim]{m}[/dim]"))
@@ -85,6 +77,8 @@ def up_command(fleet_file: str | None, data_dir: str | None, engines: int | None
         _supervise(console, fleet)
     except _Stop as stop:
         console.print(f"\n{stop}: stopping the fleet…")
+    except DirectoryLocked as exc:  # another fleet runs from this data dir; nothing started
+        raise click.ClickException(str(exc)) from exc
     except (RuntimeError, TimeoutError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:

@@ -30,9 +30,10 @@ agent_port = 9001              # default: a free port
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -46,31 +47,42 @@ __all__ = [
 
 DEFAULT_DATA_DIR = ".lorafleet"
 EngineKind = Literal["reference", "vllm", "sglang"]
-_ENGINES = ("reference", "vllm", "sglang")
+_Port = Field(default=0, ge=0, le=65535)
 
 
 class FleetConfigError(ValueError):
     """The fleet file is malformed (the message names the key)."""
 
 
-@dataclass(frozen=True)
-class ReplicaConfig:
+class _Model(BaseModel):
+    # Unknown keys are refused, so a typo fails early instead of being ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaConfig(_Model):
+    """One ``[[replica]]``: an engine and the agent in front of it."""
+
     engine: EngineKind = "reference"
     url: str | None = None
     """An existing engine to put an agent in front of; required for vllm and sglang."""
-    agent_port: int = 0
-    engine_port: int = 0
+    agent_port: int = _Port
+    engine_port: int = _Port
     """Port of the reference engine lorafleet starts (0: a free one)."""
-    max_loras: int = 8
-    max_lora_rank: int = 64
+    max_loras: int = Field(default=8, ge=1)
+    max_lora_rank: int = Field(default=64, ge=1)
 
-    def __post_init__(self) -> None:
-        if self.engine not in _ENGINES:
-            raise FleetConfigError(f"replica.engine must be one of {_ENGINES}, not {self.engine!r}")
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http(s) URL, not {url!r}")
+        return url
+
+    @model_validator(mode="after")
+    def _external_engine_has_url(self) -> ReplicaConfig:
         if self.engine != "reference" and not self.url:
-            raise FleetConfigError(f"a {self.engine} replica needs url = 'http://host:port'")
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise FleetConfigError(f"replica.url must be an http(s) URL, not {self.url!r}")
+            raise ValueError(f"a {self.engine} replica needs url = 'http://host:port'")
+        return self
 
     @property
     def managed_engine(self) -> bool:
@@ -78,13 +90,15 @@ class ReplicaConfig:
         return self.engine == "reference" and self.url is None
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    port: int = 0
+class RouterConfig(_Model):
+    """``[router]``."""
+
+    port: int = _Port
 
 
-@dataclass(frozen=True)
-class FleetConfig:
+class FleetConfig(_Model):
+    """What ``LocalFleet`` runs: the ``[fleet]`` table, ``[router]`` and the replicas."""
+
     data_dir: Path = Path(DEFAULT_DATA_DIR)
     host: str = "127.0.0.1"
     model: Path | None = None
@@ -93,8 +107,13 @@ class FleetConfig:
     control_token: str | None = None
     api_key: str | None = None
     """None: generate one; "": no inference key."""
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RouterConfig = RouterConfig()
     replicas: tuple[ReplicaConfig, ...] = ()
+
+    @field_validator("data_dir", "model")
+    @classmethod
+    def _expand_user(cls, path: Path | None) -> Path | None:
+        return path.expanduser() if path is not None else None
 
     @classmethod
     def default(cls, engines: int = 2, **overrides: Any) -> FleetConfig:
@@ -104,17 +123,54 @@ class FleetConfig:
         return cls(replicas=tuple(ReplicaConfig() for _ in range(engines)), **overrides)
 
 
-def _section(raw: Any, cls: type, where: str) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise FleetConfigError(f"[{where}] must be a table")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise FleetConfigError(f"unknown key(s) in [{where}]: {', '.join(unknown)}")
-    return dict(raw)
+class _FleetTable(_Model):
+    """``[fleet]``: the keys of ``FleetConfig`` a file may set (types checked again there)."""
+
+    data_dir: Path | None = None
+    host: str | None = None
+    model: Path | None = None
+    served_model_name: str | None = None
+    control_token: str | None = None
+    api_key: str | None = None
 
 
-_FLEET_KEYS = ("data_dir", "host", "model", "served_model_name", "control_token", "api_key")
+class _FleetFile(_Model):
+    fleet: _FleetTable = _FleetTable()
+    router: RouterConfig = RouterConfig()
+    replica: list[ReplicaConfig] = []
+
+
+def _where(loc: tuple[int | str, ...]) -> tuple[str, str]:
+    """(table, key) of an error location, e.g. ("[[replica]] #2", "engine")."""
+    if not loc:
+        return "the fleet file", ""
+    if loc[0] == "replica" and len(loc) > 1 and isinstance(loc[1], int):
+        return f"[[replica]] #{loc[1] + 1}", ".".join(str(p) for p in loc[2:])
+    table = "[[replica]]" if loc[0] == "replica" else f"[{loc[0]}]"
+    return table, ".".join(str(p) for p in loc[1:])
+
+
+def _message(err: Any) -> str:
+    loc = tuple(err["loc"])
+    table, key = _where(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        if len(loc) == 1:
+            return f"unknown table [{loc[0]}]"
+        return f"unknown key {key!r} in {table}"
+    if kind == "literal_error":
+        return f"{table}: {key} must be one of {err['ctx']['expected']}, not {err['input']!r}"
+    if kind == "value_error":
+        return f"{table}: {err['ctx']['error']}"
+    if not key and kind in ("model_type", "dict_type"):
+        return f"{table} must be a table"
+    if loc == ("replica",) and kind == "list_type":
+        return "replica must be an array of tables: [[replica]]"
+    return f"{table}: {key + ': ' if key else ''}{err['msg']}"
+
+
+def _config_error(exc: ValidationError) -> FleetConfigError:
+    return FleetConfigError("; ".join(_message(e) for e in exc.errors()))
 
 
 def load_fleet_config(
@@ -137,36 +193,19 @@ def load_fleet_config(
             raw = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as exc:
             raise FleetConfigError(f"{path}: {exc}") from exc
-    unknown = sorted(set(raw) - {"fleet", "router", "replica"})
-    if unknown:
-        raise FleetConfigError(f"unknown table(s): {', '.join(unknown)}")
-    fleet = raw.get("fleet", {})
-    if not isinstance(fleet, dict):
-        raise FleetConfigError("[fleet] must be a table")
-    bad = sorted(set(fleet) - set(_FLEET_KEYS))
-    if bad:
-        raise FleetConfigError(f"unknown key(s) in [fleet]: {', '.join(bad)}")
-    router = RouterConfig(**_section(raw.get("router", {}), RouterConfig, "router"))
-    replica_tables = raw.get("replica", [])
-    if not isinstance(replica_tables, list):
-        raise FleetConfigError("replica must be an array of tables: [[replica]]")
     try:
-        replicas = tuple(
-            ReplicaConfig(**_section(t, ReplicaConfig, "replica")) for t in replica_tables
-        )
-    except TypeError as exc:
-        raise FleetConfigError(str(exc)) from exc
+        parsed = _FleetFile.model_validate(raw)
+    except ValidationError as exc:
+        raise _config_error(exc) from exc
+    replicas = tuple(parsed.replica)
     if replicas and engines is not None:
         raise FleetConfigError("--engines applies only when the fleet file declares no replicas")
     if not replicas:
         replicas = tuple(ReplicaConfig() for _ in range(engines or 2))
-    kwargs: dict[str, Any] = {k: fleet[k] for k in _FLEET_KEYS if k in fleet}
-    for key in ("data_dir", "model"):
-        if key in kwargs:
-            kwargs[key] = Path(kwargs[key]).expanduser()
+    fleet = parsed.fleet.model_dump(exclude_unset=True)
     if data_dir is not None:
-        kwargs["data_dir"] = Path(data_dir)
-    for key in ("host", "served_model_name", "control_token", "api_key"):
-        if key in kwargs and not isinstance(kwargs[key], str):
-            raise FleetConfigError(f"[fleet] {key} must be a string")
-    return FleetConfig(router=router, replicas=replicas, **kwargs)
+        fleet["data_dir"] = Path(data_dir)
+    try:
+        return FleetConfig(router=parsed.router, replicas=replicas, **fleet)
+    except ValidationError as exc:
+        raise _config_error(exc) from exc

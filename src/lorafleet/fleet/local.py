@@ -6,9 +6,10 @@ Reused by ``lorafleet up``, the demo, the tests and the benchmarks::
         publisher = Publisher(agents=fleet.agent_urls, router=fleet.router_url, token=fleet.token)
         ...
 
-Every process binds to the configured host (127.0.0.1 by default), runs in its own session and is
-stopped with its whole process group. Logs, agent stores and router state live in the data
-directory; ``fleet.json`` there tells ``lorafleet status`` where everything is.
+Processes are started by ``lorafleet.launch``: each binds to the configured host (127.0.0.1 by
+default) on a socket the launcher bound, runs in its own session and is stopped with its whole
+process group. Logs, agent stores and router state live in the data directory, which one fleet
+holds at a time (a lock); ``fleet.json`` there tells ``lorafleet status`` where everything is.
 """
 
 from __future__ import annotations
@@ -21,13 +22,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
+from filelock import BaseFileLock
+
+from lorafleet._dirlock import lock_directory
 from lorafleet.fleet.config import FleetConfig, ReplicaConfig
 from lorafleet.fleet.state import (
     FleetInfo,
     ReplicaInfo,
     remove_fleet_file,
     write_fleet_file,
+)
+from lorafleet.launch import (
+    AgentSpec,
+    Launcher,
+    ManagedProcess,
+    ReferenceEngineSpec,
+    RouterSpec,
+    Server,
 )
 
 __all__ = ["LocalFleet"]
@@ -41,13 +52,17 @@ _ROUTER_TIMEOUT = 60.0
 class _Replica:
     config: ReplicaConfig
     index: int
-    engine_url: str
-    engine_port: int | None
-    agent_port: int
-    agent_url: str
     agent_dir: Path
-    engine: ManagedProcess | None = None
-    agent: ManagedProcess | None = None
+    engine: Server[ReferenceEngineSpec] | None = None
+    """The engine lorafleet started; None for an engine someone else runs (``config.url``)."""
+    agent: Server[AgentSpec] | None = None
+
+    @property
+    def engine_url(self) -> str:
+        if self.engine is not None:
+            return self.engine.url
+        assert self.config.url is not None  # ReplicaConfig guarantees a URL for external engines
+        return self.config.url.rstrip("/")
 
 
 class LocalFleet:
@@ -71,9 +86,10 @@ class LocalFleet:
             secrets.token_urlsafe(24) if self.config.api_key is None else self.config.api_key
         ) or None
         self._on_event = on_event or (lambda _msg: None)
+        self._launcher = Launcher(self.data_dir / "logs")
         self._replicas: list[_Replica] = []
-        self._router: ManagedProcess | None = None
-        self._router_port: int | None = None
+        self._router: Server[RouterSpec] | None = None
+        self._lock: BaseFileLock | None = None
         self.model: Path | None = None
         self.started_at: float | None = None
 
@@ -84,11 +100,13 @@ class LocalFleet:
 
     @property
     def router_url(self) -> str:
-        return f"http://{self.host}:{self._router_port}"
+        if self._router is None:
+            raise RuntimeError("the fleet has no router yet: start() it first")
+        return self._router.url
 
     @property
     def agent_urls(self) -> list[str]:
-        return [r.agent_url for r in self._replicas]
+        return [r.agent.url for r in self._replicas if r.agent is not None]
 
     @property
     def engine_urls(self) -> list[str]:
@@ -101,10 +119,10 @@ class LocalFleet:
     @property
     def processes(self) -> list[ManagedProcess]:
         """Every process this fleet runs, router first."""
-        procs = [self._router] if self._router else []
+        servers: list[Server] = [self._router] if self._router else []
         for r in self._replicas:
-            procs += [p for p in (r.agent, r.engine) if p is not None]
-        return procs
+            servers += [s for s in (r.agent, r.engine) if s is not None]
+        return [s.proc for s in servers]
 
     def info(self) -> FleetInfo:
         """What ``fleet.json`` records."""
@@ -119,7 +137,7 @@ class LocalFleet:
                 ReplicaInfo(
                     engine=r.config.engine,
                     engine_url=r.engine_url,
-                    agent_url=r.agent_url,
+                    agent_url=r.agent.url if r.agent else "",
                     agent_pid=r.agent.pid if r.agent else None,
                     engine_pid=r.engine.pid if r.engine else None,
                 )
@@ -139,12 +157,16 @@ class LocalFleet:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> LocalFleet:
-        """Start engines, then agents, then the router; each tier in parallel, waited for ready.
+        """Lock the data directory, then start engines, agents and the router, each tier in
+        parallel and waited for ready.
 
         Raises:
+            lorafleet._dirlock.DirectoryLocked: another fleet holds the data directory; nothing
+                was started.
             RuntimeError, TimeoutError: a process died or never got ready (its log tail is in the
                 message); everything already started is stopped first.
         """
+        self._lock = lock_directory(self.data_dir, holder="lorafleet fleet (LocalFleet)")
         try:
             self._start()
         except BaseException:
@@ -154,7 +176,6 @@ class LocalFleet:
 
     def _start(self) -> None:
         self.started_at = time.time()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         if any(r.managed_engine for r in self.config.replicas):
             if self.config.model is not None:
                 self.model = Path(self.config.model).absolute()
@@ -164,104 +185,62 @@ class LocalFleet:
                 self.model = ensure_tiny_model()
         else:
             self.model = self.config.model
-        for i, rc in enumerate(self.config.replicas):
-            engine_port = (rc.engine_port or free_port(self.host)) if rc.managed_engine else None
-            engine_url = f"http://{self.host}:{engine_port}" if rc.managed_engine else rc.url
-            assert engine_url is not None  # ReplicaConfig guarantees a URL for external engines
-            agent_port = rc.agent_port or free_port(self.host)
-            self._replicas.append(
-                _Replica(
-                    config=rc,
-                    index=i,
-                    engine_url=engine_url.rstrip("/"),
-                    engine_port=engine_port,
-                    agent_port=agent_port,
-                    agent_url=f"http://{self.host}:{agent_port}",
-                    agent_dir=self.data_dir / "agents" / str(i),
+        self._replicas = [
+            _Replica(config=rc, index=i, agent_dir=self.data_dir / "agents" / str(i))
+            for i, rc in enumerate(self.config.replicas)
+        ]
+        self._start_engines()
+        self._start_agents()
+        self._router = self._launcher.spawn(
+            RouterSpec(
+                agents=tuple(self.agent_urls),
+                token=self.token,
+                api_key=self.api_key,
+                state_dir=self.data_dir / "router",
+                host=self.host,
+                port=self.config.router.port,
+                ready_timeout=_ROUTER_TIMEOUT,
+            )
+        )
+        self._on_event(f"starting router on {self._router.url}")
+        self._launcher.wait_ready(self._router)
+
+    def _start_engines(self) -> None:
+        for r in self._replicas:
+            if not r.config.managed_engine:
+                continue
+            assert self.model is not None
+            r.engine = self._launcher.spawn(
+                ReferenceEngineSpec(
+                    model=self.model,
+                    served_model_name=self.served_model_name,
+                    max_loras=r.config.max_loras,
+                    max_lora_rank=r.config.max_lora_rank,
+                    host=self.host,
+                    port=r.config.engine_port,
+                    name=f"engine-{r.index}",
+                    ready_timeout=_ENGINE_TIMEOUT,
                 )
             )
-        self._start_engines(self._replicas)
-        self._start_agents(self._replicas)
-        self._router_port = self.config.router.port or free_port(self.host)
-        argv = lorafleet_argv(
-            "router",
-            "--agents",
-            ",".join(self.agent_urls),
-            "--host",
-            self.host,
-            "--port",
-            str(self._router_port),
-            "--control-token",
-            self.token,
-            "--state-dir",
-            str(self.data_dir / "router"),
-        )
-        if self.api_key:
-            argv += ["--api-key", self.api_key]
-        self._on_event(f"starting router on {self.router_url}")
-        self._router = ManagedProcess(
-            argv,
-            ready_url=self.router_url + "/health",
-            log_path=self.data_dir / "logs" / "router.log",
-            name="router",
-        )
-        self._router.wait_ready(_ROUTER_TIMEOUT)
+            self._on_event(f"starting reference engine {r.index} on {r.engine.url}")
+        self._launcher.wait_ready(*[r.engine for r in self._replicas if r.engine])
 
-    def _start_engines(self, replicas: list[_Replica]) -> None:
-        managed = [r for r in replicas if r.config.managed_engine]
-        for r in managed:
-            self._on_event(f"starting reference engine {r.index} on {r.engine_url}")
-            r.engine = ManagedProcess(
-                lorafleet_argv(
-                    "engine",
-                    "--model",
-                    str(self.model),
-                    "--served-model-name",
-                    self.served_model_name,
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(r.engine_port),
-                    "--max-loras",
-                    str(r.config.max_loras),
-                    "--max-lora-rank",
-                    str(r.config.max_lora_rank),
-                ),
-                ready_url=r.engine_url + "/health",
-                log_path=self.data_dir / "logs" / f"engine-{r.index}.log",
-                name=f"engine-{r.index}",
+    def _start_agents(self) -> None:
+        for r in self._replicas:
+            r.agent = self._launcher.spawn(
+                AgentSpec(
+                    engine=r.config.engine,
+                    engine_url=r.engine_url,
+                    data_dir=r.agent_dir,
+                    token=self.token,
+                    host=self.host,
+                    port=r.config.agent_port,
+                    name=f"agent-{r.index}",
+                    ready_timeout=_AGENT_TIMEOUT,
+                )
             )
-        for r in managed:
-            assert r.engine is not None
-            r.engine.wait_ready(_ENGINE_TIMEOUT)
-
-    def _start_agents(self, replicas: list[_Replica]) -> None:
-        for r in replicas:
-            self._on_event(f"starting agent {r.index} ({r.config.engine}) on {r.agent_url}")
-            r.agent_dir.mkdir(parents=True, exist_ok=True)
-            r.agent = ManagedProcess(
-                lorafleet_argv(
-                    "agent",
-                    "--engine",
-                    r.config.engine,
-                    "--engine-url",
-                    r.engine_url,
-                    "--data-dir",
-                    str(r.agent_dir),
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(r.agent_port),
-                    "--control-token",
-                    self.token,
-                ),
-                ready_url=r.agent_url + "/health",
-                log_path=self.data_dir / "logs" / f"agent-{r.index}.log",
-                name=f"agent-{r.index}",
-            )
-        for r in replicas:
-            assert r.agent is not None
-            r.agent.wait_ready(_AGENT_TIMEOUT)
+            self._on_event(f"starting agent {r.index} ({r.config.engine}) on {r.agent.url}")
+        self._launcher.wait_ready(*[r.agent for r in self._replicas if r.agent])
 
     def restart_engines(self, *, fresh_agents: bool = False) -> None:
         """Kill the engines lorafleet started and start them again from the base model.
@@ -275,14 +254,18 @@ class LocalFleet:
                 if r.agent:
                     r.agent.stop()
                 shutil.rmtree(r.agent_dir, ignore_errors=True)
-        for r in self._replicas:
-            if r.engine:
-                self._on_event(f"killing engine {r.index}")
-                r.engine.kill()  # a crash, not a polite shutdown
-                r.engine.stop()  # closes the log handle
-        self._start_engines(self._replicas)
+        engines = [(r.index, r.engine) for r in self._replicas if r.engine is not None]
+        for index, engine in engines:
+            self._on_event(f"killing engine {index}")
+            engine.proc.kill()  # a crash, not a polite shutdown
+        for _, engine in engines:
+            self._launcher.restart(engine, wait=False)
+        self._launcher.wait_ready(*(engine for _, engine in engines))
         if fresh_agents:
-            self._start_agents(self._replicas)
+            agents = [r.agent for r in self._replicas if r.agent]
+            for agent in agents:
+                self._launcher.restart(agent, wait=False)
+            self._launcher.wait_ready(*agents)
         self.write_fleet_file_if_present()
 
     def write_fleet_file_if_present(self) -> None:
@@ -291,16 +274,13 @@ class LocalFleet:
             self.write_fleet_file()
 
     def stop(self) -> None:
-        """Stop the router, then the agents, then the engines. Idempotent."""
-        if self._router:
-            self._router.stop()
-        for r in self._replicas:
-            if r.agent:
-                r.agent.stop()
-        for r in self._replicas:
-            if r.engine:
-                r.engine.stop()
-        remove_fleet_file(self.data_dir, owner_pid=os.getpid())
+        """Stop the router, then the agents, then the engines; release the data directory.
+        Idempotent."""
+        self._launcher.stop_all()
+        if self._lock is not None:
+            remove_fleet_file(self.data_dir, owner_pid=os.getpid())
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> LocalFleet:
         return self.start()

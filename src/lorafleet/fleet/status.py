@@ -7,18 +7,17 @@ such, never as an exception.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.fleet.state import FleetInfo, pid_alive
 
 __all__ = ["FleetStatus", "ReplicaView", "collect_status", "render_status"]
 
 _TIMEOUT = 3.0
-_GAUGE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<v>\S+)$")
 
 
 @dataclass
@@ -58,17 +57,20 @@ def _get(client: httpx.Client, url: str, errors: list[str], **kw: Any) -> httpx.
 
 
 def _inflight_from_metrics(text: str) -> dict[tuple[str, str], float]:
-    """The router's ``lorafleet_router_inflight`` gauge, by (adapter, version)."""
+    """The router's ``lorafleet_router_inflight`` gauge, by (adapter, version).
+
+    Unparseable exposition text counts as no samples: status shows "?" rather than failing.
+    """
     out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        m = _GAUGE.match(line.strip())
-        if not m or m["name"] != "lorafleet_router_inflight":
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        try:
-            out[(labels.get("adapter", ""), labels.get("version", ""))] = float(m["v"])
-        except ValueError:
-            continue
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != "lorafleet_router_inflight":
+                continue
+            for sample in family.samples:
+                key = (sample.labels.get("adapter", ""), sample.labels.get("version", ""))
+                out[key] = sample.value
+    except ValueError:
+        return {}
     return out
 
 

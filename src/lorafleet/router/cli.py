@@ -6,6 +6,8 @@ import os
 
 import click
 
+from lorafleet.launch.listen import fd_option
+
 __all__ = ["command"]
 
 
@@ -13,6 +15,7 @@ __all__ = ["command"]
 @click.option("--agents", required=True, help="Comma-separated agent URLs, one per replica.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8200, show_default=True, type=int)
+@fd_option
 @click.option(
     "--control-token",
     envvar="LORAFLEET_CONTROL_TOKEN",
@@ -30,7 +33,7 @@ __all__ = ["command"]
     "--state-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Persist the alias table here (reloaded at startup).",
+    help="Persist the alias table here (reloaded at startup); one router per directory.",
 )
 @click.option("--health-interval", default=0.5, show_default=True, type=float)
 @click.option(
@@ -74,6 +77,7 @@ def command(
     agents: str,
     host: str,
     port: int,
+    fd: int | None,
     control_token: str | None,
     api_key: str | None,
     agent_token: str | None,
@@ -87,13 +91,21 @@ def command(
     unsafe_resolve_at_forward: float | None,
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
-    import uvicorn
-
+    from lorafleet._dirlock import DirectoryLocked, lock_directory
+    from lorafleet.launch.listen import listen_address, serve
     from lorafleet.router.app import RouterConfig, create_app
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
         raise click.UsageError("--agents needs at least one URL")
+    host, port = listen_address(host, port, fd)
+    # Two routers persisting one alias table would overwrite each other's flips.
+    lock = None
+    if state_dir is not None:
+        try:
+            lock = lock_directory(state_dir, holder=f"lorafleet router on {host}:{port}")
+        except DirectoryLocked as exc:
+            raise click.ClickException(str(exc)) from exc
     if control_token is None and os.environ.get("LORAFLEET_CONTROL_TOKEN") == "":
         control_token = None
     config = RouterConfig(
@@ -110,14 +122,19 @@ def command(
         unsafe_resolve_at_forward=unsafe_resolve_at_forward,
     )
     app = create_app(config)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level=log_level,
-        timeout_keep_alive=60,
-    )
+    try:
+        serve(
+            app,
+            host=host,
+            port=port,
+            fd=fd,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level=log_level,
+            timeout_keep_alive=60,
+        )
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,27 +1,19 @@
-"""Start and stop local server processes: used by ``lorafleet up``, the demo, tests and benches."""
+"""``ManagedProcess``: one child in its own session, stopped with its whole process group."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import httpx
 
-__all__ = ["ManagedProcess", "free_port", "lorafleet_argv"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["ManagedProcess", "ProcessExited", "lorafleet_argv"]
 
 
 def lorafleet_argv(*args: str) -> list[str]:
@@ -29,11 +21,22 @@ def lorafleet_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "lorafleet", *args]
 
 
+class ProcessExited(RuntimeError):
+    """The process exited before it was ready; the message carries the tail of its log."""
+
+    def __init__(self, name: str, returncode: int | None, log_tail: str) -> None:
+        super().__init__(f"{name} exited with {returncode} before it was ready:\n{log_tail}")
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
 class ManagedProcess:
     """A child process in its own session, stopped with its whole process group.
 
-    ``wait_ready`` polls ``ready_url`` until it answers 200 (or ``ready_status``), and fails early
-    with the tail of the log if the process exits first.
+    Output goes to ``log_path`` (appended: a restart keeps its predecessor's lines). ``wait_ready``
+    polls ``ready_url`` until it answers ``ready_status`` and fails early, with the tail of this
+    run's log, if the process exits first. ``pass_fds`` are inherited by the child (listening
+    sockets); every other descriptor is closed in it.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class ManagedProcess:
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike | None = None,
         name: str | None = None,
+        pass_fds: Collection[int] = (),
     ) -> None:
         self.argv = list(argv)
         self.ready_url = ready_url
@@ -52,9 +56,11 @@ class ManagedProcess:
         self.log_path = Path(log_path) if log_path else None
         full_env = dict(os.environ)
         full_env.update(env or {})
+        self._log_start = 0
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+            self._log_start = self._log.tell()
         else:
             self._log = subprocess.DEVNULL
         self.proc = subprocess.Popen(
@@ -64,32 +70,40 @@ class ManagedProcess:
             env=full_env,
             cwd=cwd,
             start_new_session=True,
+            pass_fds=tuple(pass_fds),
         )
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def log_tail(self, n: int = 40) -> str:
+    def log_text(self) -> str:
+        """What this run (not a predecessor on the same log file) has written so far."""
         if not self.log_path or not self.log_path.exists():
             return ""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode(errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
 
     def wait_ready(self, timeout: float = 60.0, ready_status: int = 200) -> ManagedProcess:
+        """Poll ``ready_url``; raise ``ProcessExited`` or (after stopping it) ``TimeoutError``."""
         if not self.ready_url:
             return self
         deadline = time.monotonic() + timeout
         last = "no answer"
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
-                    + self.log_tail()
-                )
+                raise ProcessExited(self.name, self.proc.returncode, self.log_tail())
             try:
                 r = httpx.get(self.ready_url, timeout=2.0)
                 if r.status_code == ready_status:
@@ -104,6 +118,10 @@ class ManagedProcess:
             + self.log_tail()
         )
 
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to exit on its own; its exit status."""
+        return self.proc.wait(timeout)
+
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
@@ -114,7 +132,7 @@ class ManagedProcess:
         self.proc.wait()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the group, then SIGKILL whatever is left after ``timeout``."""
+        """SIGTERM the group, then SIGKILL whatever is left after ``timeout``. Idempotent."""
         if self.alive():
             self.signal(signal.SIGTERM)
             try:
@@ -123,7 +141,7 @@ class ManagedProcess:
                 self.kill()
         # Children may outlive the leader (vLLM's engine core); sweep the group regardless.
         self.signal(signal.SIGKILL)
-        if self._log is not subprocess.DEVNULL:
+        if self._log is not subprocess.DEVNULL and not self._log.closed:
             self._log.close()
 
     def __enter__(self) -> ManagedProcess:

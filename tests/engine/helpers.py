@@ -1,11 +1,8 @@
-"""Helpers shared by the engine tests (conftest modules are not importable by name)."""
+"""Ground truth shared by the engine tests: HF transformers greedy with the adapter merged."""
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-
-from lorafleet._procs import ManagedProcess, free_port, lorafleet_argv
 
 PROMPT = "The quick brown fox"
 
@@ -20,24 +17,6 @@ def expected(base: str, adapter: str | None, prompt: str = PROMPT, n: int = 8) -
     from lorafleet.testing import merged_greedy
 
     return merged_greedy(base, adapter, prompt, max_tokens=n).rstrip("\ufffd")
-
-
-def start_engine(logdir: Path, model: Path, *extra: str) -> tuple[str, ManagedProcess]:
-    """Start a dedicated reference engine with extra CLI flags; the caller stops it."""
-    port = free_port()
-    argv = lorafleet_argv(
-        "engine", "--model", str(model), "--served-model-name", "tiny", "--port", str(port), *extra
-    )
-    url = f"http://127.0.0.1:{port}"
-    proc = ManagedProcess(
-        argv, ready_url=url + "/health", name="engine", log_path=logdir / "engine.log"
-    )
-    try:
-        proc.wait_ready(60)
-    except BaseException:
-        proc.stop()
-        raise
-    return url, proc
 
 
 @functools.cache

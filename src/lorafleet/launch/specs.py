@@ -1,0 +1,210 @@
+"""Typed descriptions of the servers lorafleet starts; each builds its own command line.
+
+Two kinds, by how a server gets its address:
+
+- ``SocketServerSpec``: the server serves on a listening socket the launcher binds and passes
+  (``lorafleet engine|agent|router --fd N``). Nothing can take the port in between.
+- ``PortServerSpec``: the server binds a port itself (real vLLM; SGLang). The launcher reserves a
+  free port, and starts the server again on a new one if it dies with "address already in use".
+
+Secrets (control tokens, API keys) travel in the environment, not in argv, where ``ps`` shows them.
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet.launch.process import lorafleet_argv
+
+__all__ = [
+    "AgentSpec",
+    "PortServerSpec",
+    "ReferenceEngineSpec",
+    "RouterSpec",
+    "ServerSpec",
+    "SocketServerSpec",
+    "VLLMSpec",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSpec:
+    """What every server has: where it listens, its name (log file, messages), readiness."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port."""
+    name: str = "server"
+    ready_path: str = "/health"
+    ready_status: int = 200
+    ready_timeout: float = 60.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for the process."""
+
+    def environ(self) -> dict[str, str]:
+        """The environment the process gets on top of this one's."""
+        return dict(self.env)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SocketServerSpec(ServerSpec, ABC):
+    """A server that serves on an inherited listening socket."""
+
+    @abstractmethod
+    def argv(self, fd: int) -> list[str]:
+        """The command line that serves on descriptor ``fd``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PortServerSpec(ServerSpec, ABC):
+    """A server that binds its port itself."""
+
+    port_retries: int = 3
+    """New ports to try when a chosen one was taken before the server bound it."""
+
+    @abstractmethod
+    def argv(self, port: int) -> list[str]:
+        """The command line that listens on ``host:port``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceEngineSpec(SocketServerSpec):
+    """``lorafleet engine``: the CPU reference engine (needs the ``engine`` extra)."""
+
+    model: Path
+    served_model_name: str = "tiny"
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    api_key: str | None = None
+    extra: tuple[str, ...] = ()
+    name: str = "engine"
+    ready_timeout: float = 120.0  # torch + transformers import on a busy 2-core box
+
+    def argv(self, fd: int) -> list[str]:
+        return lorafleet_argv(
+            "engine",
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name,
+            "--fd", str(fd),
+            "--max-loras", str(self.max_loras),
+            "--max-lora-rank", str(self.max_lora_rank),
+            *self.extra,
+        )  # fmt: skip
+
+    def environ(self) -> dict[str, str]:
+        # Always set, so a key in the launcher's own environment never leaks into the engine.
+        return {"LORAFLEET_ENGINE_API_KEY": self.api_key or "", **self.env}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSpec(SocketServerSpec):
+    """``lorafleet agent`` in front of one engine."""
+
+    engine_url: str
+    data_dir: Path
+    engine: str = "reference"
+    """Backend kind: reference, vllm or sglang."""
+    token: str | None = None
+    """Control token; None lets the agent generate one (printed to its log)."""
+    replica_id: str | None = None
+    """None: the agent's host:port."""
+    max_lora_rank: int | None = None
+    shared_fs_allow: tuple[Path, ...] = ()
+    extra: tuple[str, ...] = ()
+    name: str = "agent"
+
+    def argv(self, fd: int) -> list[str]:
+        argv = lorafleet_argv(
+            "agent",
+            "--engine", self.engine,
+            "--engine-url", self.engine_url,
+            "--data-dir", str(self.data_dir),
+            "--fd", str(fd),
+        )  # fmt: skip
+        if self.replica_id is not None:
+            argv += ["--replica-id", self.replica_id]
+        if self.max_lora_rank is not None:
+            argv += ["--max-lora-rank", str(self.max_lora_rank)]
+        for allowed in self.shared_fs_allow:
+            argv += ["--shared-fs-allow", str(allowed)]
+        return argv + list(self.extra)
+
+    def environ(self) -> dict[str, str]:
+        return {"LORAFLEET_CONTROL_TOKEN": self.token or "", **self.env}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSpec(SocketServerSpec):
+    """``lorafleet router`` over a set of agents."""
+
+    agents: tuple[str, ...]
+    token: str | None = None
+    """Control token for /v1/control/*; None: no token."""
+    api_key: str | None = None
+    """Inference key for the data plane; None: open."""
+    agent_token: str | None = None
+    """Token to call the agents with; None: the control token."""
+    state_dir: Path | None = None
+    health_interval: float | None = None
+    extra: tuple[str, ...] = ()
+    name: str = "router"
+
+    def argv(self, fd: int) -> list[str]:
+        argv = lorafleet_argv("router", "--agents", ",".join(self.agents), "--fd", str(fd))
+        if self.state_dir is not None:
+            argv += ["--state-dir", str(self.state_dir)]
+        if self.health_interval is not None:
+            argv += ["--health-interval", str(self.health_interval)]
+        if self.agent_token is not None:
+            argv += ["--agent-token", self.agent_token]
+        return argv + list(self.extra)
+
+    def environ(self) -> dict[str, str]:
+        return {
+            "LORAFLEET_CONTROL_TOKEN": self.token or "",
+            "LORAFLEET_API_KEY": self.api_key or "",
+            **self.env,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMSpec(PortServerSpec):
+    """A real vLLM OpenAI server with runtime LoRA (research/vllm-cpu-recipe.md)."""
+
+    model: Path
+    python: Path = Path(sys.executable)
+    """The interpreter of the environment vLLM is installed in."""
+    served_model_name: str = "tiny"
+    max_lora_rank: int = 16
+    max_loras: int = 4
+    max_model_len: int = 256
+    dtype: str = "float32"
+    extra: tuple[str, ...] = ()
+    name: str = "vllm"
+    ready_timeout: float = 300.0
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--served-model-name", self.served_model_name,
+            "--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+            "--max-loras", str(self.max_loras), "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype, "--host", self.host, "--port", str(port), *self.extra,
+        ]  # fmt: skip
+
+    def environ(self) -> dict[str, str]:
+        # Without the flag vLLM has no load/unload routes; 1 GiB of KV cache is plenty on CPU.
+        return {
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            **self.env,
+        }
+
+
+# SGLang goes here: ``SGLangSpec(PortServerSpec)`` running ``python -m sglang.launch_server
+# --model-path ... --enable-lora --host H --port P``. It binds its own port like vLLM, so the
+# launcher's address-in-use retry covers it without changes.

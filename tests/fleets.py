@@ -1,0 +1,135 @@
+"""A test fleet of real processes: reference engines, one agent each, and optionally a router.
+
+One factory for every test that needs a fleet (``make_fleet`` in tests/conftest.py). The
+processes live as long as the ``Launcher`` they are started on: a test's own (``launcher``) for
+a fresh fleet per test, or a module-scoped one for a fleet shared by a module.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lorafleet.launch import AgentSpec, Launcher, ReferenceEngineSpec, RouterSpec, Server
+from lorafleet.testing import start_agent, start_reference_engine, start_router
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    engine: Server[ReferenceEngineSpec]
+    agent: Server[AgentSpec]
+
+
+@dataclass
+class Fleet:
+    launcher: Launcher = field(repr=False)
+    replicas: list[Replica]
+    token: str
+    """The control token of every agent and of the router."""
+    health_interval: float
+    router: Server[RouterSpec] | None = None
+
+    @property
+    def engines(self) -> list[Server[ReferenceEngineSpec]]:
+        return [r.engine for r in self.replicas]
+
+    @property
+    def agents(self) -> list[Server[AgentSpec]]:
+        return [r.agent for r in self.replicas]
+
+    @property
+    def agent_urls(self) -> list[str]:
+        return [a.url for a in self.agents]
+
+    def start_router(self, launcher: Launcher | None = None, **kwargs: Any) -> Server[RouterSpec]:
+        """A router over this fleet's agents with its token, on ``launcher`` (default: the
+        fleet's). ``kwargs`` go to ``lorafleet.testing.start_router``."""
+        kwargs.setdefault("health_interval", self.health_interval)
+        return start_router(launcher or self.launcher, self.agents, token=self.token, **kwargs)
+
+    def staging_bytes(self) -> list[int]:
+        out = []
+        for a in self.agents:
+            total = 0
+            for dirpath, _, files in os.walk(a.spec.data_dir / "staging"):
+                total += sum((Path(dirpath) / f).stat().st_size for f in files)
+            out.append(total)
+        return out
+
+    def adapters(self, i: int) -> list[dict]:
+        r = httpx.get(
+            f"{self.agents[i].url}/v1/adapters",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+        )
+        r.raise_for_status()
+        return r.json()["adapters"]
+
+    def engine_models(self, i: int) -> set[str]:
+        r = httpx.get(f"{self.engines[i].url}/v1/models", timeout=10)
+        return {m["id"] for m in r.json()["data"]}
+
+    def restart_agent(self, i: int) -> Server[AgentSpec]:
+        """Stop agent ``i`` and start it again: same data directory, same port."""
+        return self.launcher.restart(self.agents[i])
+
+
+class FleetFactory:
+    """``make_fleet(launcher, n=2, ...)``: start a fleet on ``launcher``; see ``__call__``."""
+
+    def __init__(self, model: Path, tmp_path_factory) -> None:
+        self.model = model
+        self.tmp_path_factory = tmp_path_factory
+
+    def __call__(
+        self,
+        launcher: Launcher,
+        n: int = 2,
+        *,
+        ranks: list[int] | None = None,
+        max_loras: int = 8,
+        replica_ids: bool = False,
+        shared: Path | None = None,
+        router: bool = True,
+        health_interval: float = 0.2,
+    ) -> Fleet:
+        """Start ``n`` replicas (and a router over them unless ``router=False``).
+
+        Args:
+            ranks: each replica's max LoRA rank, on its engine and its agent (default 64 all).
+            max_loras: every engine's adapter slots.
+            replica_ids: name replicas ``r<i>-<engine port>`` instead of the agent's host:port.
+            shared: a directory every agent may register adapters from (shared filesystem).
+            health_interval: the router's health poll, for ``router=True`` and ``start_router``.
+        """
+        root = self.tmp_path_factory.mktemp("fleet")
+        token = secrets.token_urlsafe(12)
+        ranks = ranks or [64] * n
+        assert len(ranks) == n, (ranks, n)
+        engines = [
+            start_reference_engine(launcher, self.model, max_loras=max_loras, max_lora_rank=rank)
+            for rank in ranks
+        ]
+        replicas = []
+        for i, (engine, rank) in enumerate(zip(engines, ranks, strict=True)):
+            rid = f"r{i}-{engine.port}" if replica_ids else None
+            agent = start_agent(
+                launcher,
+                engine,
+                root / f"agent{i}",
+                token=token,
+                replica_id=rid,
+                max_lora_rank=rank,
+                shared_fs_allow=(shared,) if shared else (),
+            )
+            replicas.append(Replica(rid or f"{agent.host}:{agent.port}", engine, agent))
+        fleet = Fleet(launcher, replicas, token, health_interval)
+        if router:
+            fleet.router = fleet.start_router(state_dir=root / "router")
+        return fleet
