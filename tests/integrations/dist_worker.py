@@ -50,9 +50,17 @@ def record_materialised(model: Any):
         handle = getattr(mod, "_handle", None)
         if handle is not None and getattr(handle, "flat_param", None) is not None:
             flat_owner[id(handle)] = (mod_name, list(handle.flat_param._fqns))
-    seen: dict[str, Any] = {"full_tensor": [], "fsdp2_unshard": 0, "fsdp1_unshard": []}
-    orig_full, orig_group, orig_handle = (
+    seen: dict[str, Any] = {
+        "full_tensor": [],
+        "to_local": [],
+        "gather_numel": 0,
+        "fsdp2_unshard": 0,
+        "fsdp1_unshard": [],
+    }
+    orig_full, orig_local, orig_gather, orig_group, orig_handle = (
         DTensor.full_tensor,
+        DTensor.to_local,
+        dist.gather,
         FSDPParamGroup.unshard,
         FlatParamHandle.unshard,
     )
@@ -61,6 +69,14 @@ def record_materialised(model: Any):
         out = orig_full(self, *a, **kw)
         seen["full_tensor"].append([names.get(id(self), "<not a parameter>"), out.numel()])
         return out
+
+    def to_local(self, *a, **kw):
+        seen["to_local"].append(names.get(id(self), "<not a parameter>"))
+        return orig_local(self, *a, **kw)
+
+    def gather(tensor, *a, **kw):
+        seen["gather_numel"] += tensor.numel()
+        return orig_gather(tensor, *a, **kw)
 
     def group_unshard(self, *a, **kw):
         seen["fsdp2_unshard"] += 1
@@ -71,19 +87,13 @@ def record_materialised(model: Any):
         seen["fsdp1_unshard"].append([path, fqns, self.flat_param._unpadded_unsharded_size.numel()])
         return orig_handle(self, *a, **kw)
 
-    DTensor.full_tensor, FSDPParamGroup.unshard, FlatParamHandle.unshard = (
-        full_tensor,
-        group_unshard,
-        handle_unshard,
-    )
+    DTensor.full_tensor, DTensor.to_local, dist.gather = full_tensor, to_local, gather
+    FSDPParamGroup.unshard, FlatParamHandle.unshard = group_unshard, handle_unshard
     try:
         yield seen
     finally:
-        DTensor.full_tensor, FSDPParamGroup.unshard, FlatParamHandle.unshard = (
-            orig_full,
-            orig_group,
-            orig_handle,
-        )
+        DTensor.full_tensor, DTensor.to_local, dist.gather = orig_full, orig_local, orig_gather
+        FSDPParamGroup.unshard, FlatParamHandle.unshard = orig_group, orig_handle
 
 
 def build(base: Path, wrap: str, r: int) -> Any:
@@ -200,9 +210,28 @@ def run_wrap(opts: argparse.Namespace, base: Path, rank: int, report: dict[str, 
             report["publish"] = attempt(distributed.publish, model, pub, name=opts.name)
         report["materialised"] = seen
         # The LoRA parameters by their unwrapped names (FSDP1 hides them in flat parameters).
-        report["lora_params"] = sorted(
-            n for n, _ in build(base, "plain", R_OK).named_parameters() if ".lora_" in n
-        )
+        plain = build(base, "plain", R_OK)
+        report["lora_params"] = sorted(n for n, _ in plain.named_parameters() if ".lora_" in n)
+        report["lora_numel"] = sum(p.numel() for n, p in plain.named_parameters() if ".lora_" in n)
+        del plain
+
+        if opts.wrap == "fsdp2":
+            # The fallback for other placements (HSDP, TP): one full_tensor() per parameter.
+            distributed._BATCH_SHARDS = False
+            try:
+                with record_materialised(model) as seen:
+                    one_by_one = distributed.gather_adapter(model)
+            finally:
+                distributed._BATCH_SHARDS = True
+            batched = distributed.gather_adapter(model)
+            report["unbatched"] = {
+                "materialised": seen,
+                "same_tensors": rank != 0
+                or (
+                    one_by_one[0].keys() == batched[0].keys()
+                    and all(torch.equal(v, batched[0][k]) for k, v in one_by_one[0].items())
+                ),
+            }
         save_reference(model, opts.wrap, base, R_OK, Path(opts.out) / "adapter", rank)
 
         # A refusal on rank 0: the replicas refuse this rank. Every rank must raise it.

@@ -139,11 +139,23 @@ def test_only_lora_parameters_are_materialised(job) -> None:
         lora = set(report["lora_params"])
         assert seen["fsdp2_unshard"] == 0  # FSDP2 never unsharded a whole layer
         if wrap == "fsdp2":
-            names = [n for n, _numel in seen["full_tensor"]]
-            assert sorted(names) == sorted(lora) and len(names) == LORA_TENSORS
-            assert seen["fsdp1_unshard"] == []
+            # Each rank read its own shard of every LoRA parameter and of nothing else; one
+            # gather moved them (the tiny model's LoRA rows split evenly: no padding).
+            assert set(seen["to_local"]) == lora and len(lora) == LORA_TENSORS
+            assert seen["gather_numel"] * 2 == report["lora_numel"]
+            assert seen["full_tensor"] == [] and seen["fsdp1_unshard"] == []
+            # The fallback (one full_tensor() per parameter) materialises the same, alone.
+            unbatched = report["unbatched"]
+            assert unbatched["same_tensors"]
+            names = [n for n, _numel in unbatched["materialised"]["full_tensor"]]
+            assert sorted(names) == sorted(lora)
+            assert (
+                sum(n for _name, n in unbatched["materialised"]["full_tensor"])
+                == (report["lora_numel"])
+            )
+            assert unbatched["materialised"]["fsdp2_unshard"] == 0
         elif wrap == "fsdp1":
-            assert seen["full_tensor"] == []
+            assert seen["full_tensor"] == [] and seen["gather_numel"] == 0
             units = seen["fsdp1_unshard"]
             assert len(units) == LORA_TENSORS  # one unit per LoRA matrix, each gathered once
             for _path, fqns, _numel in units:
@@ -151,7 +163,13 @@ def test_only_lora_parameters_are_materialised(job) -> None:
             gathered = sorted(p.replace("_fsdp_wrapped_module.", "") + ".weight" for p, *_ in units)
             assert gathered == sorted(lora)
         else:  # DDP: every rank holds the adapter; nothing is gathered at all
-            assert seen == {"full_tensor": [], "fsdp2_unshard": 0, "fsdp1_unshard": []}
+            assert seen == {
+                "full_tensor": [],
+                "to_local": [],
+                "gather_numel": 0,
+                "fsdp2_unshard": 0,
+                "fsdp1_unshard": [],
+            }
 
 
 def test_a_refusal_on_rank0_raises_the_same_error_on_every_rank(job, fleet: LocalFleet) -> None:

@@ -106,7 +106,7 @@ def test_plan_of_a_plain_model_is_pefts_own_state_dict(tiny_model: Path) -> None
     model = make_peft_model(tiny_model, r=4)
     plan = _plan(model, "default")
     assert plan.kind == "local"
-    tensors, failure = _gather(plan, on_dst=True)
+    tensors, failure = _gather(plan, dst=0)
     assert failure is None
     expected = get_peft_model_state_dict(model)
     assert set(tensors) == set(expected)
@@ -168,3 +168,15 @@ def test_the_core_still_imports_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 129])
+def test_shard_rows_follow_torch_chunk(rows: int, ranks: int) -> None:
+    """The batched gather cuts rows as DTensor's Shard(0) and FSDP2 do: ``torch.chunk``."""
+    import torch
+
+    from lorafleet.integrations.distributed import _shard0_rows
+
+    chunks = [c.shape[0] for c in torch.arange(rows).chunk(ranks)]
+    assert _shard0_rows(rows, ranks) == chunks + [0] * (ranks - len(chunks))

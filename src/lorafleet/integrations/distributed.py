@@ -16,16 +16,18 @@
 
 Every rank in ``group`` calls :func:`publish` at the same point. Only the adapter's own tensors
 (what ``peft.get_peft_model_state_dict`` keeps: the LoRA matrices, plus ``modules_to_save`` or
-embeddings when the config asks for them) are gathered, to ``publisher_rank`` only, one tensor or
-one FSDP unit at a time; the base weights stay sharded. ``publisher_rank`` builds the bundle in
+embeddings when the config asks for them) are gathered, to ``publisher_rank`` only; the base
+weights stay sharded. ``publisher_rank`` builds the bundle in
 memory and publishes it; then it broadcasts the outcome, so that every rank returns the same
 ``PublishResult`` or raises the same error (type, message, attributes such as
 ``PublishError.failures``). The publishing rank broadcasts even when it fails, so no rank hangs.
 
 How each wrapping is handled:
 
-- **FSDP2** (``fully_shard``), and any parameter that is a ``DTensor`` (HSDP, TP): each adapter
-  parameter is materialised with ``DTensor.full_tensor()``; base parameters are never touched.
+- **FSDP2** (``fully_shard``): every rank packs its local shards of the adapter parameters
+  (``Shard(0)`` on one 1-D mesh) into one buffer, and one ``gather`` brings them to
+  ``publisher_rank``, which cuts the rows back out. Any other ``DTensor`` layout (HSDP, TP) is
+  gathered one parameter at a time with ``full_tensor()``. Base parameters are never touched.
 - **FSDP1** (``FullyShardedDataParallel``): FSDP1 gathers whole units (flat parameters), so the
   adapter must live in units of its own. ``peft.utils.other.fsdp_auto_wrap_policy`` does that
   (``transformers.Trainer`` and accelerate apply it to PEFT models). Each such unit is gathered
@@ -52,6 +54,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import math
 import os
 import pickle
 import traceback
@@ -92,6 +95,10 @@ class _Plan:
     units: list[tuple[Any, dict[str, str]]] = field(default_factory=list, repr=False)
     """``fsdp1``: (FSDP unit, {raw name: name relative to the unit's wrapped module})."""
     source: Any = field(default=None, repr=False)
+    shards_match: bool = False
+    """This rank's DTensor shards have the shapes ``_shard0_rows`` predicts (a local check)."""
+    batched: bool = False
+    """Set by the agreement when every rank's shards match: one collective for all of them."""
 
     @property
     def gathers(self) -> bool:
@@ -278,6 +285,7 @@ def _plan(model: Any, adapter_name: str) -> _Plan:
         plan.tensors = {raw: tensors[raw] for raw in keys.values()}
         if any(_is_dtensor(t) for t in plan.tensors.values()):
             plan.kind = "fsdp2"
+            plan.shards_match = _shards_match([t for t in plan.tensors.values() if _is_dtensor(t)])
     plan.config = config
     return plan
 
@@ -290,22 +298,112 @@ def _is_dtensor(t: Any) -> bool:
 
 # -- the gather ------------------------------------------------------------------------------
 
+_BATCH_SHARDS = True
+"""Gather every ``Shard(0)`` DTensor in one collective (False: one ``full_tensor`` each)."""
 
-def _gather(plan: _Plan, *, on_dst: bool) -> tuple[dict[str, torch.Tensor], BaseException | None]:
-    """Materialise the plan's tensors on the destination rank (CPU), collectively.
+
+def _shard0_rows(rows: int, ranks: int) -> list[int]:
+    """Rows of each rank's ``Shard(0)`` chunk, as DTensor and FSDP2 cut (``torch.chunk``)."""
+    chunk = -(-rows // ranks)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(ranks)]
+
+
+def _batch_mesh(dtensors: list[Any], dst: int) -> Any:
+    """The 1-D mesh that every DTensor is ``Shard(0)`` on, if one batched gather can serve them.
+
+    Depends only on what every rank sees alike (meshes, placements, dtypes), so every rank
+    decides the same way. ``None``: gather each tensor with ``full_tensor()`` instead.
+    """
+    from torch.distributed.tensor import Shard
+
+    if not dtensors:
+        return None
+    first = dtensors[0]
+    mesh = first.device_mesh
+    if mesh.ndim != 1:
+        return None
+    for t in dtensors:
+        if (
+            t.device_mesh != mesh
+            or tuple(t.placements) != (Shard(0),)
+            or t.dtype != first.dtype
+            or t.device != first.device
+            or t.dim() == 0
+        ):
+            return None
+    ranks = mesh.mesh.flatten().tolist()
+    if dst not in ranks or dist.get_process_group_ranks(mesh.get_group()) != ranks:
+        return None
+    return mesh
+
+
+def _shards_match(dtensors: list[Any]) -> bool:
+    """Whether this rank's local shards have the shapes ``_shard0_rows`` predicts."""
+    try:
+        for t in dtensors:
+            mesh = t.device_mesh
+            if mesh.ndim != 1:
+                return False
+            rows = _shard0_rows(t.shape[0], mesh.size())[mesh.get_local_rank()]
+            if tuple(t.to_local().shape) != (rows, *t.shape[1:]):
+                return False
+    except Exception:
+        return False
+    return True
+
+
+def _gather_shards(dtensors: list[tuple[list[str], Any]], mesh: Any, dst: int, keep: Any) -> None:
+    """One ``gather`` to ``dst`` of every rank's local shards, packed in one flat buffer.
+
+    Each rank sends only its own slices of the adapter's parameters (padded to the longest
+    rank's length); ``dst`` cuts them back out and concatenates each parameter's rows.
+    """
+    width = mesh.size()
+    first = dtensors[0][1]
+    rows = [_shard0_rows(t.shape[0], width) for _raws, t in dtensors]
+    per_row = [math.prod(t.shape[1:]) for _raws, t in dtensors]
+    totals = [sum(r[k] * n for r, n in zip(rows, per_row, strict=True)) for k in range(width)]
+    buf = torch.zeros(max(totals), dtype=first.dtype, device=first.device)
+    offset = 0
+    for _raws, t in dtensors:
+        local = t.to_local().detach().reshape(-1)
+        buf[offset : offset + local.numel()].copy_(local)
+        offset += local.numel()
+    on_dst = dist.get_rank() == dst
+    received = [torch.empty_like(buf) for _ in range(width)] if on_dst else None
+    dist.gather(buf, received, dst=dst, group=mesh.get_group())
+    del buf
+    if received is None:
+        return
+    offsets = [0] * width
+    for i, (raws, t) in enumerate(dtensors):
+        pieces = []
+        for k in range(width):
+            n = rows[i][k] * per_row[i]
+            pieces.append(received[k][offsets[k] : offsets[k] + n].view(rows[i][k], *t.shape[1:]))
+            offsets[k] += n
+        full = torch.cat(pieces)
+        for j, raw in enumerate(raws):
+            keep(raw, full, fresh=j == 0)  # tied names get copies: safetensors refuses aliases
+
+
+def _gather(plan: _Plan, *, dst: int) -> tuple[dict[str, torch.Tensor], BaseException | None]:
+    """Materialise the plan's tensors on rank ``dst`` (CPU), collectively.
 
     Every rank steps through every collective even after a local failure on the destination
     (copying to CPU, say), so that the ranks stay in step; the failure is returned, not raised.
     """
+    on_dst = _rank() == dst
     out: dict[str, torch.Tensor] = {}
     failure: BaseException | None = None
 
-    def keep(raw: str, t: torch.Tensor) -> None:
+    def keep(raw: str, t: torch.Tensor, fresh: bool = False) -> None:
+        """Hold a CPU copy on ``dst`` (``fresh``: ``t`` is already ours, no copy on CPU)."""
         nonlocal failure
         if not on_dst or failure is not None:
             return
         try:
-            out[raw] = t.detach().to("cpu", copy=True)
+            out[raw] = t.detach().to("cpu", copy=not fresh)
         except Exception as exc:
             failure = exc
 
@@ -313,11 +411,17 @@ def _gather(plan: _Plan, *, on_dst: bool) -> tuple[dict[str, torch.Tensor], Base
     names_of: dict[int, list[str]] = {}
     for raw, t in plan.tensors.items():
         names_of.setdefault(id(t), []).append(raw)
-    for raws in names_of.values():
-        t = plan.tensors[raws[0]]
+    groups = [(raws, plan.tensors[raws[0]]) for raws in names_of.values()]
+    dtensors = [(raws, t) for raws, t in groups if _is_dtensor(t)]
+    mesh = _batch_mesh([t for _raws, t in dtensors], dst) if plan.batched else None
+    if mesh is not None:
+        _gather_shards(dtensors, mesh, dst, keep)
+    for raws, t in groups:
+        if mesh is not None and _is_dtensor(t):
+            continue
         full = t.full_tensor() if _is_dtensor(t) else t  # full_tensor: collective over its mesh
-        for raw in raws:
-            keep(raw, full)
+        for j, raw in enumerate(raws):
+            keep(raw, full, fresh=j == 0 and _is_dtensor(t))
         del full
     if plan.units:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -352,7 +456,7 @@ def gather_adapter(
     if not plan.gathers:
         raise TypeError("gather_adapter needs a PEFT model on every rank")
     try:
-        tensors, failure = _gather(plan, on_dst=_rank() == dst)
+        tensors, failure = _gather(plan, dst=dst)
     except Exception as exc:  # inside a collective: usually every rank fails alike
         tensors, failure = {}, exc
     failure = _share_failure(failure, group=group, dst=dst)
@@ -443,9 +547,10 @@ def _agree(
         _RemoteError.of(mine, me) if isinstance(mine, BaseException) else mine.signature()
     )
     kind = None if isinstance(mine, BaseException) else mine.kind
+    match = not isinstance(mine, BaseException) and mine.shards_match
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (me, kind, summary), group=group)
-    by_rank = {r: (k, s) for r, k, s in everyone}
+    dist.all_gather_object(everyone, (me, kind, summary, match), group=group)
+    by_rank = {r: (k, s) for r, k, s, _m in everyone}
     dst_kind, dst_summary = by_rank[dst]
     if isinstance(dst_summary, _RemoteError):
         return None, _local_or_rebuilt(mine, dst_summary, me)
@@ -461,7 +566,9 @@ def _agree(
             f"ranks {differ} would gather other tensors than rank {dst} ({dst_kind}): every "
             f"rank must pass the same wrapped PEFT model (or rank {dst} a state dict)"
         )
-    return mine, None  # type: ignore[return-value]
+    assert isinstance(mine, _Plan)
+    mine.batched = _BATCH_SHARDS and all(m for *_rest, m in everyone)
+    return mine, None
 
 
 def _local_or_rebuilt(mine: Any, remote: _RemoteError, me: int) -> BaseException:
@@ -554,7 +661,7 @@ def publish(
     failure: BaseException | None = None
     if plan.gathers:
         try:
-            tensors, failure = _gather(plan, on_dst=on_dst)
+            tensors, failure = _gather(plan, dst=publisher_rank)
         except Exception as exc:  # inside a collective: usually every rank fails alike
             failure = exc
     if not is_distributed(group):
