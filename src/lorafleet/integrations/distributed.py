@@ -17,10 +17,12 @@
 Every rank in ``group`` calls :func:`publish` at the same point. Only the adapter's own tensors
 (what ``peft.get_peft_model_state_dict`` keeps: the LoRA matrices, plus ``modules_to_save`` or
 embeddings when the config asks for them) are gathered, to ``publisher_rank`` only; the base
-weights stay sharded. ``publisher_rank`` builds the bundle in
-memory and publishes it; then it broadcasts the outcome, so that every rank returns the same
-``PublishResult`` or raises the same error (type, message, attributes such as
-``PublishError.failures``). The publishing rank broadcasts even when it fails, so no rank hangs.
+weights stay sharded. ``publisher_rank`` builds the bundle in memory and publishes it; then it
+broadcasts the outcome, so that every rank returns the same ``PublishResult`` or raises the same
+error (type, message, attributes such as ``PublishError.failures``). The publishing rank
+broadcasts even when it fails, so no rank hangs. Before any gather the ranks exchange their
+plans (one small object collective), so a rank that cannot take part (not a PEFT model, an
+unsupported wrapping, no publisher on ``publisher_rank``) makes every rank raise that error.
 
 How each wrapping is handled:
 
@@ -275,6 +277,9 @@ def _plan(model: Any, adapter_name: str) -> _Plan:
             "DeepSpeed ZeRO-3 parameters are partitioned by DeepSpeed: gather the adapter with "
             "deepspeed.zero.GatheredParameters and pass the state dict with config="
         )
+    if adapter_name not in peft_model.peft_config:
+        have = sorted(peft_model.peft_config)
+        raise ValueError(f"the PEFT model has no adapter {adapter_name!r} (it has {have})")
     config = peft_config_dict(peft_model.peft_config[adapter_name])
     if _fsdp1_units(peft_model, model):
         plan = _plan_fsdp1(model, peft_model, adapter_name)
@@ -551,6 +556,8 @@ def _agree(
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (me, kind, summary, match), group=group)
     by_rank = {r: (k, s) for r, k, s, _m in everyone}
+    if dst not in by_rank:
+        return None, ValueError(f"rank {dst} is not in the process group {sorted(by_rank)}")
     dst_kind, dst_summary = by_rank[dst]
     if isinstance(dst_summary, _RemoteError):
         return None, _local_or_rebuilt(mine, dst_summary, me)
