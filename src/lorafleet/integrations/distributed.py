@@ -368,7 +368,9 @@ def _gather_shards(dtensors: list[tuple[list[str], Any]], mesh: Any, dst: int, k
     rows = [_shard0_rows(t.shape[0], width) for _raws, t in dtensors]
     per_row = [math.prod(t.shape[1:]) for _raws, t in dtensors]
     totals = [sum(r[k] * n for r, n in zip(rows, per_row, strict=True)) for k in range(width)]
-    buf = torch.zeros(max(totals), dtype=first.dtype, device=first.device)
+    # The collective runs on the mesh's device (CPU-offloaded FSDP2 keeps shards on the CPU
+    # while its NCCL group takes only GPU tensors), as torch's own state-dict gather does.
+    buf = torch.zeros(max(totals), dtype=first.dtype, device=torch.device(mesh.device_type))
     offset = 0
     for _raws, t in dtensors:
         local = t.to_local().detach().reshape(-1)
@@ -390,6 +392,13 @@ def _gather_shards(dtensors: list[tuple[list[str], Any]], mesh: Any, dst: int, k
         full = torch.cat(pieces)
         for j, raw in enumerate(raws):
             keep(raw, full, fresh=j == 0)  # tied names get copies: safetensors refuses aliases
+
+
+def _full_tensor(t: Any) -> torch.Tensor:
+    """``t.full_tensor()`` (a collective over its mesh), on the mesh's device as torch does."""
+    if t.device.type != t.device_mesh.device_type:
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
 
 
 def _gather(plan: _Plan, *, dst: int) -> tuple[dict[str, torch.Tensor], BaseException | None]:
@@ -424,7 +433,7 @@ def _gather(plan: _Plan, *, dst: int) -> tuple[dict[str, torch.Tensor], BaseExce
     for raws, t in groups:
         if mesh is not None and _is_dtensor(t):
             continue
-        full = t.full_tensor() if _is_dtensor(t) else t  # full_tensor: collective over its mesh
+        full = _full_tensor(t) if _is_dtensor(t) else t
         for j, raw in enumerate(raws):
             keep(raw, full, fresh=j == 0 and _is_dtensor(t))
         del full
@@ -641,7 +650,8 @@ def publish(
         publisher: a ``lorafleet.publisher.Publisher`` on ``publisher_rank``; ignored (pass
             ``None``) on the other ranks.
         name: the adapter name clients use as ``model=``.
-        group: the process group whose ranks all call this (default: the world).
+        group: the process group whose ranks all call this (default: the world); it must hold
+            every rank the adapter is sharded over.
         publisher_rank: the global rank that holds the publisher.
         adapter_name: the PEFT adapter to publish.
         publish_kwargs: passed to ``publisher.publish`` (``mode=``, ``version=``, ``config=``...).
