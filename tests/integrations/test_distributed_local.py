@@ -180,3 +180,16 @@ def test_shard_rows_follow_torch_chunk(rows: int, ranks: int) -> None:
 
     chunks = [c.shape[0] for c in torch.arange(rows).chunk(ranks)]
     assert _shard0_rows(rows, ranks) == chunks + [0] * (ranks - len(chunks))
+
+
+def test_an_outcome_that_cannot_be_pickled_still_reaches_the_other_ranks() -> None:
+    from lorafleet.integrations.distributed import _payload
+
+    payload, substitute = _payload(threading.Lock(), rank=0)  # a result pickle refuses
+    sent = pickle.loads(payload)
+    assert isinstance(sent, _RemoteError) and substitute == sent  # the sender raises it too
+    other = sent.rebuild()
+    assert type(other) is RuntimeError and "could not send its outcome" in str(other)
+    # An exception travels as a _RemoteError; a picklable result as itself.
+    assert isinstance(pickle.loads(_payload(ValueError("x"), rank=0)[0]), _RemoteError)
+    assert _payload({"version": 3}, rank=0) == (pickle.dumps({"version": 3}), None)

@@ -604,23 +604,37 @@ def _share_failure(failure: BaseException | None, *, group: Any, dst: int) -> Ba
     return failure if me == dst else box[0].rebuild()
 
 
-def _broadcast_outcome(outcome: Any, *, group: Any, src: int) -> Any:
-    """Send ``outcome`` (a result or a ``_RemoteError``) from ``src``; returns it everywhere.
+def _payload(outcome: Any, rank: int) -> tuple[bytes, _RemoteError | None]:
+    """``outcome`` pickled (an exception as a ``_RemoteError``); never raises.
 
-    The payload is pickled before the collective: an object that cannot be pickled becomes an
-    error on ``src`` instead of an exception inside the broadcast that would strand the others.
+    An outcome that cannot be pickled is replaced by an error, returned too, so that the
+    sending rank raises what the others will.
+    """
+    try:
+        sent = _RemoteError.of(outcome, rank) if isinstance(outcome, BaseException) else outcome
+        return pickle.dumps(sent), None
+    except Exception as exc:
+        text = (
+            f"rank {rank} could not send its outcome, a {type(outcome).__name__} "
+            f"({type(exc).__name__}: {exc})"
+        )
+        err = _RemoteError("builtins", "RuntimeError", (text,), {}, text, rank, "")
+        return pickle.dumps(err), err
+
+
+def _broadcast_outcome(outcome: Any, *, group: Any, src: int) -> Any:
+    """Send ``outcome`` (a result, or an exception) from ``src``; what every other rank got.
+
+    The payload is pickled before the collective, so that nothing on ``src`` can fail inside
+    the broadcast and strand the others: an exception travels as a ``_RemoteError``, and an
+    outcome that cannot be pickled becomes one.
     """
     me = _rank()
-    payload = b""
-    if me == src:
-        try:
-            payload = pickle.dumps(outcome)
-        except Exception as exc:
-            payload = pickle.dumps(_RemoteError.of(exc, me))
+    payload, substitute = _payload(outcome, me) if me == src else (b"", None)
     box = [payload]
     dist.broadcast_object_list(box, src=src, group=group)
     if me == src:
-        return outcome
+        return substitute if substitute is not None else outcome
     try:
         return pickle.loads(box[0])
     except Exception as exc:
@@ -687,32 +701,23 @@ def publish(
         return _publish_here(plan, tensors, publisher, name, publish_kwargs)
 
     outcome: Any = None
-    try:
-        if on_dst:
-            try:
-                if failure is not None:
-                    raise failure
-                outcome = _publish_here(plan, tensors, publisher, name, publish_kwargs)
-            except BaseException as exc:
-                outcome = exc
-            finally:
-                tensors.clear()
-    finally:
-        # Always reached on the publishing rank, whatever happened above: the others wait here.
-        shared = _broadcast_outcome(
-            _RemoteError.of(outcome, me) if isinstance(outcome, BaseException) else outcome,
-            group=group,
-            src=publisher_rank,
-        )
     if on_dst:
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        try:
+            if failure is not None:
+                raise failure
+            outcome = _publish_here(plan, tensors, publisher, name, publish_kwargs)
+        except BaseException as exc:  # KeyboardInterrupt too: the others must hear of it
+            outcome = exc
+    tensors.clear()
+    # Reached on the publishing rank whatever happened above: the other ranks wait here.
+    shared = _broadcast_outcome(outcome, group=group, src=publisher_rank)
+    if on_dst and isinstance(outcome, BaseException):
+        raise outcome  # the original, with its traceback
     if isinstance(shared, _RemoteError):
         raise shared.rebuild()
     if failure is not None:
         raise failure  # this rank's own gather failed though the publication went through
-    return shared
+    return outcome if on_dst else shared
 
 
 def _publish_here(
