@@ -15,6 +15,12 @@ put this callback first (``trainer.callback_handler.callbacks.insert(0, cb)``) i
 
 A failed publish raises (``lorafleet.errors.PublishError``) and stops training: rollouts must not
 silently run against a stale adapter.
+
+When the Trainer runs distributed (``torchrun``; DDP, FSDP1 or FSDP2 through accelerate), every
+rank publishes collectively through ``lorafleet.integrations.distributed.publish``: create the
+callback on every rank, with the ``Publisher`` on rank 0 and ``None`` on the others. Only the
+adapter's tensors are gathered to rank 0, which publishes; every rank gets the same result (and
+the same log values), or raises the same error.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lorafleet.integrations import distributed
+
 __all__ = ["LATENCY_KEY", "VERSION_KEY", "LorafleetCallback"]
 
 LATENCY_KEY = "lorafleet/publish_latency_s"
@@ -31,23 +39,22 @@ VERSION_KEY = "lorafleet/version"
 
 
 def _unwrap(model: Any) -> Any:
-    """The PeftModel under DDP/accelerate/compile wrappers."""
-    while not hasattr(model, "peft_config"):
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            raise TypeError(
-                f"LorafleetCallback needs a PEFT model, got {type(model).__name__} "
-                "(wrap the model with peft.get_peft_model first)"
-            )
-        model = inner
-    return model
+    """The PeftModel under DDP/FSDP1/accelerate/compile wrappers."""
+    try:
+        return distributed._peft_model(model)
+    except TypeError:
+        raise TypeError(
+            f"LorafleetCallback needs a PEFT model, got {type(model).__name__} "
+            "(wrap the model with peft.get_peft_model first)"
+        ) from None
 
 
 class LorafleetCallback(TrainerCallback):
     """Publish the trainer's PEFT adapter through ``publisher`` every N steps and at the end.
 
     Args:
-        publisher: a ``lorafleet.publisher.Publisher`` (the caller owns and closes it).
+        publisher: a ``lorafleet.publisher.Publisher`` (the caller owns and closes it). In a
+            distributed run, on rank 0; ``None`` on the other ranks.
         name: the adapter name clients use as ``model=``.
         every_n_steps: publish when ``global_step`` is a multiple of this.
         mode: ``"atomic"`` (router alias flip) or ``"in_place"``.
@@ -75,18 +82,28 @@ class LorafleetCallback(TrainerCallback):
         self._pending: dict[str, float] | None = None
 
     def _publish(self, model: Any, step: int) -> dict[str, float]:
-        peft_model = _unwrap(model)
         t = time.perf_counter()
-        result = self.publisher.publish(
-            peft_model, name=self.name, mode=self.mode, **self.publish_kwargs
-        )
+        if distributed.is_distributed():
+            # Collective: every rank gathers its shards of the adapter; rank 0 publishes.
+            result = distributed.publish(
+                model, self.publisher, name=self.name, mode=self.mode, **self.publish_kwargs
+            )
+        else:
+            result = self.publisher.publish(
+                _unwrap(model), name=self.name, mode=self.mode, **self.publish_kwargs
+            )
         latency = time.perf_counter() - t
         self.results.append(result)
         self._last_step = step
         return {LATENCY_KEY: latency, VERSION_KEY: result.version}
 
+    @staticmethod
+    def _takes_part(state: Any) -> bool:
+        """Distributed: every rank (the publish is collective). Otherwise: the main process."""
+        return distributed.is_distributed() or state.is_world_process_zero
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> Any:
-        if state.global_step % self.every_n_steps or not state.is_world_process_zero:
+        if state.global_step % self.every_n_steps or not self._takes_part(state):
             return control
         self._pending = self._publish(model, state.global_step)
         control.should_log = True  # the trainer logs this step; on_log adds our values
@@ -108,7 +125,7 @@ class LorafleetCallback(TrainerCallback):
     def on_train_end(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
     ) -> Any:
-        if not state.is_world_process_zero or self._last_step == state.global_step:
+        if not self._takes_part(state) or self._last_step == state.global_step:
             return control  # the last step was already published: same weights
         values = self._publish(model, state.global_step)
         # Training is over, so no on_log follows; record the final publish directly.
