@@ -33,8 +33,10 @@ from lorafleet.errors import (
     NoReplica,
     NotFound,
     ServiceError,
+    StaleVersion,
+    VersionNotRoutable,
 )
-from lorafleet.protocol.router import TAG_FIELD
+from lorafleet.protocol.router import TAG_FIELD, AliasEntry, RoutableVersion
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.table import AliasStore
@@ -80,6 +82,8 @@ class Route:
     engine_name: str | None
     replicas: list[str] | None
     base_model: str | None
+    lag: int = 0
+    """How many versions behind the name's newest (a pin or a session's version)."""
 
 
 def _esc(s: str) -> bytes:
@@ -133,7 +137,7 @@ class Proxy:
                 if k == b"x-session-id":
                     session = v.decode("latin-1")
                     break
-            route = self.resolve(req.get("model"))
+            route = self.resolve(req.get("model"), session)
             if path == "/generate":
                 fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
             else:
@@ -176,6 +180,8 @@ class Proxy:
             hist, _ = self.metrics.children(route.adapter, route.version)
             hist.observe(time.perf_counter() - t0)
             self.metrics.count(route.adapter, route.version, status)
+            if route.adapter is not None:
+                self.metrics.lag(route.adapter).observe(route.lag)
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -199,18 +205,58 @@ class Proxy:
                 raise BodyTooLarge(f"body over {MAX_BODY} bytes")
         return bytes(buf)
 
-    def resolve(self, model: object) -> Route:
-        """``model`` -> Route, at arrival. Raises ``NotFound`` for an unknown name."""
+    def resolve(self, model: object, session: str | None = None) -> Route:
+        """``model`` -> Route, at arrival (see the addressing rules in protocol/router.py).
+
+        Raises ``NotFound`` for an unknown name, ``VersionNotRoutable`` for a pin (or a
+        session's version) outside the retention window, ``StaleVersion`` past
+        ``max_staleness``.
+        """
         if model is None:
             return Route(None, None, None, None, None, None)
         if not isinstance(model, str):
             raise InvalidRequest("model must be a string")
-        entry = self.store.aliases.get(model)
+        aliases = self.store.aliases
+        entry = aliases.get(model)
         if entry is not None:
-            return Route(model, model, entry.version, entry.engine_name, entry.replicas, None)
+            if session is None or entry.sessions == "follow":
+                ref = entry.window()[0]
+            else:
+                ref = self._session_version(entry, session)
+            lag = entry.version - ref.version
+            return Route(model, model, ref.version, ref.engine_name, ref.replicas, None, lag)
+        name, at, v = model.rpartition("@v")
+        if at and v.isdigit() and name in aliases:
+            entry = aliases[name]
+            ref = self._routable(entry, int(v), f"{model!r}")
+            lag = entry.version - ref.version
+            return Route(model, name, ref.version, ref.engine_name, ref.replicas, None, lag)
         if model in self.balancer.base_models():
             return Route(model, None, None, None, None, model)
         raise NotFound(f"The model `{model}` does not exist.")
+
+    def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
+        """The version ``session`` started on (pinned now if it is new)."""
+        pinned = self.balancer.pin(session, entry.name, entry.version)
+        return self._routable(entry, pinned, f"session {session!r}, which started on it,")
+
+    @staticmethod
+    def _routable(entry: AliasEntry, version: int, who: str) -> RoutableVersion:
+        window = entry.window()
+        listed = ", ".join(f"v{v.version}" for v in window)
+        ref = next((v for v in window if v.version == version), None)
+        if ref is None:
+            raise VersionNotRoutable(
+                f"{entry.name!r} v{version} is not routable for {who} (it is outside the "
+                f"retention window of {entry.keep_versions}); routable: {listed}"
+            )
+        lag = entry.version - version
+        if lag > entry.staleness:
+            raise StaleVersion(
+                f"{entry.name!r} v{version} requested by {who} is {lag} version(s) behind v"
+                f"{entry.version}, more than max_staleness {entry.staleness}; routable: {listed}"
+            )
+        return ref
 
     async def _unsafe_reresolve(self, route: Route, cands: list[Replica]):
         await asyncio.sleep(self.unsafe_delay or 0)
