@@ -118,3 +118,22 @@ def test_k_versions_routable_while_publishing_under_load(
         assert on_disk == window
         engine = httpx.get(fleet.engines[i].url + "/v1/models").json()["data"]
         assert {m["id"] for m in engine if m.get("parent")} == {f"policy@v{v}" for v in window}
+
+
+def test_a_window_a_replica_cannot_hold_is_refused_before_any_byte(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    """3 engine slots: K = 3 needs 4 during a publication (the window plus the new version)."""
+    from lorafleet.errors import PublishError
+
+    fleet = make_fleet(launcher, 2, max_loras=3)
+    a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=5)
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        with pytest.raises(PublishError, match="no room") as err:
+            pub.publish(str(a), name="policy", keep_versions=3)
+        assert set(err.value.failures) == {f"{x.host}:{x.port}" for x in fleet.agents}
+        assert "at most 3 adapters" in next(iter(err.value.failures.values()))
+        for agent in fleet.agents:  # nothing was sent anywhere
+            metrics = httpx.get(agent.url + "/metrics").text
+            assert "lorafleet_agent_upload_bytes_total 0.0" in metrics
+        assert pub.publish(str(a), name="policy", keep_versions=2).routable_versions == [1]
