@@ -30,7 +30,7 @@ from typing import Literal
 
 import httpx
 
-from lorafleet._http import error_message
+from lorafleet._http import REPLAYABLE, error_message
 from lorafleet.dialects import model_field
 from lorafleet.errors import EngineUnavailable
 
@@ -76,7 +76,7 @@ class ApplicationProbe:
             "logprobs": PROBE_TOP_K,
         }
         try:
-            r = await self.http.post("/v1/completions", json=body)
+            r = await self.http.post("/v1/completions", json=body, extensions=REPLAYABLE)
         except httpx.TransportError as exc:
             raise EngineUnavailable(f"probe: engine unreachable: {exc}") from exc
         if r.status_code != 200:
