@@ -211,7 +211,7 @@ class Proxy:
         aliases = self.store.aliases
         entry = aliases.get(model)
         if entry is not None:
-            if session is None or entry.sessions == "follow":
+            if session is None or not entry.pins_sessions:
                 ref = entry.window()[0]
             else:
                 ref = self._session_version(entry, session)
