@@ -59,9 +59,7 @@ class StaleConnectionRetry(httpx.AsyncBaseTransport):
             # and resumes from the agent's offset instead).
             if not isinstance(request.stream, httpx.ByteStream):
                 raise
-            if request.method not in _SAFE and not request.extensions.get(
-                "lorafleet.replayable"
-            ):
+            if request.method not in _SAFE and not request.extensions.get("lorafleet.replayable"):
                 raise
             return await self.transport.handle_async_request(request)
 
