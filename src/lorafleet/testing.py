@@ -131,8 +131,14 @@ def start_reference_engine(
     max_lora_rank: int = 64,
     api_key: str | None = None,
     port: int = 0,
+    dialect: str = "vllm",
+    extra: tuple[str, ...] | list[str] = (),
 ) -> Server[ReferenceEngineSpec]:
-    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health."""
+    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health.
+
+    ``dialect="sglang"``: it behaves as a real SGLang 0.5.23 server (``lorafleet engine
+    --dialect sglang``); ``extra``: more engine options (``--sglang-upsert``...).
+    """
     return launcher.start(
         ReferenceEngineSpec(
             model=Path(model),
@@ -140,6 +146,9 @@ def start_reference_engine(
             max_lora_rank=max_lora_rank,
             api_key=api_key,
             port=port,
+            dialect=dialect,
+            extra=tuple(extra),
+            name="engine" if dialect == "vllm" else f"engine-{dialect}",
         )
     )
 

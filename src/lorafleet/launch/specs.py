@@ -85,6 +85,8 @@ class ReferenceEngineSpec(SocketServerSpec):
     max_loras: int = 8
     max_lora_rank: int = 64
     api_key: str | None = None
+    dialect: str = "vllm"
+    """vllm (vLLM's API, SGLang's routes beside it) or sglang (as real SGLang 0.5.23)."""
     extra: tuple[str, ...] = ()
     name: str = "engine"
     ready_timeout: float = 120.0  # torch + transformers import on a busy 2-core box
@@ -97,6 +99,7 @@ class ReferenceEngineSpec(SocketServerSpec):
             "--fd", str(fd),
             "--max-loras", str(self.max_loras),
             "--max-lora-rank", str(self.max_lora_rank),
+            "--dialect", self.dialect,
             *self.extra,
         )  # fmt: skip
 
