@@ -242,13 +242,15 @@ def start_sglang(
     max_loaded_loras: int | None = None,
     api_key: str | None = None,
     timeout: float = 600,
+    python: Path | None = None,
 ) -> Server[SGLangSpec]:
     """A real SGLang 0.5.23 CPU server on ``model`` served as "tiny", ready on /ready
-    (docs/engines/sglang.md)."""
+    (docs/engines/sglang.md). ``python``: the SGLang venv's interpreter (default:
+    ``sglang_python()``, which installs the venv if need be)."""
     return launcher.start(
         SGLangSpec(
             model=Path(model),
-            python=sglang_python(),
+            python=python or sglang_python(),
             max_lora_rank=max_lora_rank,
             max_loaded_loras=max_loaded_loras,
             api_key=api_key,
