@@ -15,11 +15,13 @@ LorafleetError
 │   │   └── PathNotAllowed        403 path_not_allowed
 │   ├── NotFound                  404 not_found
 │   │   ├── UploadNotFound        404 upload_not_found
-│   │   └── AdapterNotFound       404 adapter_not_found
+│   │   ├── AdapterNotFound       404 adapter_not_found
+│   │   └── VersionNotRoutable    404 version_not_routable  (outside the retention window)
 │   ├── Conflict                  409
 │   │   ├── AdapterConflict       409 adapter_conflict
 │   │   ├── UploadIncomplete      409 upload_incomplete
 │   │   ├── OffsetMismatch        409 offset_mismatch
+│   │   ├── StaleVersion          409 stale_version         (older than max_staleness allows)
 │   │   ├── VersionConflict       409 version_conflict      (also a PublishError)
 │   │   └── PublishInProgress     409 publish_in_progress   (also a PublishError)
 │   ├── TooLarge                  413
@@ -50,7 +52,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorCode
+from lorafleet.protocol.errors import STATUS_BY_CODE as _STATUS_BY_CODE
+from lorafleet.protocol.errors import ErrorCode
 
 __all__ = [
     "AdapterConflict",
@@ -63,6 +66,7 @@ __all__ = [
     "DigestMismatch",
     "EngineRejected",
     "EngineUnavailable",
+    "ErrorCode",
     "FileNotAllowed",
     "FileTooLarge",
     "Forbidden",
@@ -84,6 +88,7 @@ __all__ = [
     "ServiceError",
     "SizeExceeded",
     "SizeMismatch",
+    "StaleVersion",
     "TooLarge",
     "TransportError",
     "Unauthorized",
@@ -91,6 +96,7 @@ __all__ = [
     "UploadIncomplete",
     "UploadNotFound",
     "VersionConflict",
+    "VersionNotRoutable",
     "error_for",
 ]
 
@@ -159,7 +165,7 @@ class ServiceError(LorafleetError):
         """The answered status (client side) or the code's status (server side)."""
         if self._status is not None:
             return self._status
-        return STATUS_BY_CODE.get(self.code, self.family_status or 500)
+        return _STATUS_BY_CODE.get(self.code, self.family_status or 500)
 
     def __str__(self) -> str:
         if self.url:
@@ -265,6 +271,12 @@ class AdapterNotFound(NotFound):
     code = ErrorCode.ADAPTER_NOT_FOUND
 
 
+class VersionNotRoutable(NotFound):
+    """A pinned version (``name@vN``, or a session's) is not in the name's retention window."""
+
+    code = ErrorCode.VERSION_NOT_ROUTABLE
+
+
 # --- 409 -----------------------------------------------------------------------------------
 
 
@@ -282,6 +294,12 @@ class AdapterConflict(Conflict):
 
 class UploadIncomplete(Conflict):
     code = ErrorCode.UPLOAD_INCOMPLETE
+
+
+class StaleVersion(Conflict):
+    """A pinned version is older than the newest by more than the name's ``max_staleness``."""
+
+    code = ErrorCode.STALE_VERSION
 
 
 class OffsetMismatch(Conflict):

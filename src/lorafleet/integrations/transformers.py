@@ -58,7 +58,10 @@ class LorafleetCallback(TrainerCallback):
         name: the adapter name clients use as ``model=``.
         every_n_steps: publish when ``global_step`` is a multiple of this.
         mode: ``"atomic"`` (router alias flip) or ``"in_place"``.
-        publish_kwargs: passed to every ``publisher.publish`` call (e.g. ``transfer=``).
+        keep_versions: the retention window (atomic): rollouts that started on one of the
+            newest ``keep_versions`` versions finish on it (asynchronous RL; see the README).
+        publish_kwargs: passed to every ``publisher.publish`` call (e.g. ``transfer=``,
+            ``max_staleness=``).
     """
 
     def __init__(
@@ -67,10 +70,13 @@ class LorafleetCallback(TrainerCallback):
         name: str,
         every_n_steps: int = 1,
         mode: str = "atomic",
+        keep_versions: int = 1,
         **publish_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
+        if keep_versions > 1:
+            publish_kwargs["keep_versions"] = keep_versions
         self.publisher = publisher
         self.name = name
         self.every_n_steps = every_n_steps

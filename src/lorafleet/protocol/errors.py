@@ -34,6 +34,8 @@ class ErrorCode:
     NOT_FOUND = "not_found"
     UPLOAD_NOT_FOUND = "upload_not_found"
     ADAPTER_NOT_FOUND = "adapter_not_found"
+    VERSION_NOT_ROUTABLE = "version_not_routable"
+    STALE_VERSION = "stale_version"
     FILE_NOT_ALLOWED = "file_not_allowed"
     PATH_ESCAPE = "path_escape"
     PATH_NOT_ALLOWED = "path_not_allowed"
@@ -66,6 +68,8 @@ STATUS_BY_CODE: dict[str, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.UPLOAD_NOT_FOUND: 404,
     ErrorCode.ADAPTER_NOT_FOUND: 404,
+    ErrorCode.VERSION_NOT_ROUTABLE: 404,
+    ErrorCode.STALE_VERSION: 409,
     ErrorCode.ADAPTER_CONFLICT: 409,
     ErrorCode.VERSION_CONFLICT: 409,
     ErrorCode.PUBLISH_IN_PROGRESS: 409,

@@ -10,6 +10,11 @@ Every routed response carries ``X-Lorafleet-Adapter`` / ``X-Lorafleet-Adapter-Ve
 and a ``lorafleet`` field (``VersionTag``) in the JSON body, or in one extra chunk with empty
 ``choices`` just before ``data: [DONE]`` in a stream.
 
+Addressing (``model``): ``policy`` is the newest version, or the version a session (the
+``X-Session-ID`` header) started on; ``policy@v7`` is exactly v7 while it is in the name's
+retention window. Outside the window: 404 ``version_not_routable``, whose message lists the
+routable versions; older than the newest by more than ``max_staleness``: 409 ``stale_version``.
+
 Control plane (the control token, separate from the inference key)::
 
     GET    /v1/control/aliases                 -> AliasTable
@@ -22,6 +27,8 @@ Control plane (the control token, separate from the inference key)::
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +47,8 @@ __all__ = [
     "LeaseRequest",
     "ReplicaList",
     "ReplicaStatus",
+    "RoutableVersion",
+    "SessionPolicy",
     "SetAliasRequest",
     "VersionTag",
 ]
@@ -64,6 +73,15 @@ class VersionTag(_Model):
     """The model name the engine reported (e.g. ``policy@v3``), when the router saw one."""
 
 
+SessionPolicy = Literal["pin", "follow"]
+
+
+class RoutableVersion(_Model):
+    version: int
+    engine_name: str
+    replicas: list[str]
+
+
 class SetAliasRequest(_Model):
     version: int = Field(ge=1)
     engine_name: str
@@ -72,15 +90,40 @@ class SetAliasRequest(_Model):
     expected_version: int | None = None
     """Compare-and-set: refuse (409) unless the active version is this one (None: no alias yet)."""
     lease_holder: str | None = None
+    keep_versions: int = Field(default=1, ge=1, le=64)
+    """The retention window: this version and the newest ``keep_versions - 1`` before it stay
+    routable (``name@vN``, and sessions that started on them)."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """Refuse a pin or a session more than this many versions behind the newest (None:
+    ``keep_versions - 1``, i.e. the whole window)."""
+    sessions: SessionPolicy = "pin"
+    """``pin``: a session keeps the version it started on; ``follow``: always the newest."""
 
 
 class AliasEntry(_Model):
     name: str
     version: int
+    """The newest version: what ``model=<name>`` gets."""
     engine_name: str
     replicas: list[str]
     seq: int
     """Position in the alias log of the flip that made this entry active."""
+    keep_versions: int = 1
+    max_staleness: int | None = None
+    sessions: SessionPolicy = "pin"
+    routable: list[RoutableVersion] = Field(default_factory=list)
+    """The retention window, newest first (the newest is ``version``)."""
+
+    def window(self) -> list[RoutableVersion]:
+        """The routable versions, newest first (an entry written before windows: the newest)."""
+        return self.routable or [
+            RoutableVersion(version=self.version, engine_name=self.engine_name,
+                            replicas=self.replicas)
+        ]  # fmt: skip
+
+    @property
+    def staleness(self) -> int:
+        return self.keep_versions - 1 if self.max_staleness is None else self.max_staleness
 
 
 class AliasEvent(_Model):

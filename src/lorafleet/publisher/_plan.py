@@ -9,6 +9,7 @@ from typing import Literal
 
 from lorafleet.bundle import AdapterBundle
 from lorafleet.protocol.agent import LoadMode, engine_name
+from lorafleet.protocol.router import SessionPolicy
 
 __all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
 
@@ -32,6 +33,12 @@ class Plan:
     """The name's lease is held: an agent may retire a failed publication's leftovers first."""
     verify: bool = True
     """Check on every replica that the engine applies v before the cutover."""
+    keep_versions: int = 1
+    """The retention window: v and the newest ``keep_versions - 1`` before it stay routable."""
+    max_staleness: int | None = None
+    sessions: SessionPolicy = "pin"
+    previous_window: tuple[int, ...] = ()
+    """The versions routable when the publication began, newest first."""
 
     @property
     def name(self) -> str:

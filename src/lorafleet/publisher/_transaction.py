@@ -78,6 +78,8 @@ class Publication:
         self.replicas = [ReplicaTxn(a, plan, timeouts, on_progress) for a in agents]
         self.failures: dict[str, str] = {}
         self.warnings: list[str] = []
+        self.routable: list[int] = [plan.version]
+        """The name's routable versions after the cutover, newest first (the router's word)."""
         self._started = False
 
     async def run(self, *, t_start: float, build_s: float) -> PublishResult:
@@ -124,6 +126,7 @@ class Publication:
             active_version=self.plan.version,
             replicas=timings,
             retired_versions=retired,
+            routable_versions=self.routable,
             warnings=self.warnings,
         )
 
@@ -166,7 +169,7 @@ class Publication:
             return
         plan = self.plan
         try:
-            await asyncio.wait_for(
+            entry = await asyncio.wait_for(
                 self.router.set_alias(
                     plan.name,
                     plan.version,
@@ -174,9 +177,13 @@ class Publication:
                     [r.id for r in self.replicas],
                     expected_version=plan.previous,
                     lease_holder=self.holder,
+                    keep_versions=plan.keep_versions,
+                    max_staleness=plan.max_staleness,
+                    sessions=plan.sessions,
                 ),
                 self.timeouts.cutover,
             )
+            self.routable = [v.version for v in entry.window()]
         except BaseException as exc:
             refused = isinstance(exc, RemoteError) and 400 <= exc.status < 500
             # A timeout, a reset or a 5xx may come after the router made the flip durable:
@@ -215,11 +222,14 @@ class Publication:
         except RetryError:
             return None
         entry = table.aliases.get(self.plan.name)
-        return (
+        applied = (
             entry is not None
             and entry.version == self.plan.version
             and entry.engine_name == self.plan.engine_name
         )
+        if applied:
+            self.routable = [v.version for v in entry.window()]  # type: ignore[union-attr]
+        return applied
 
     # -- phase 3 --------------------------------------------------------------------------------
     async def retire(self) -> list[int]:
@@ -235,18 +245,22 @@ class Publication:
         return await self.release_older()
 
     async def release_older(self) -> list[int]:
-        """Release every older version of the name once the router has drained it.
+        """Release every older version of the name that is not in the retention window, once
+        the router has drained it.
 
-        v-1 gets the full drain timeout; an older one still in flight (its drain timed out in an
-        earlier publication) is checked without waiting and kept if busy, so that no request is
-        cut off and no file disappears under an engine (promises 3 and 6).
+        A version that left the window with this flip gets the full drain timeout; an older one
+        still in flight (its drain timed out in an earlier publication) is checked without
+        waiting and kept if busy, so that no request is cut off and no file disappears under an
+        engine (promises 3 and 6).
         """
         plan, warnings = self.plan, self.warnings
         held: dict[str, list[int]] = {}
 
+        window = set(self.routable)
+
         async def list_one(rep: ReplicaTxn) -> None:
             try:
-                held[rep.id] = await rep.older_versions()
+                held[rep.id] = [v for v in await rep.older_versions() if v not in window]
             except LorafleetError as exc:
                 warnings.append(f"{rep.id}: cannot list adapters: {reason(exc)}")
 
@@ -265,7 +279,7 @@ class Publication:
             router = self.router
 
             async def drain(v: int) -> None:
-                wait = self.timeouts.drain if v == plan.previous else 0.0
+                wait = self.timeouts.drain if v in plan.previous_window else 0.0
                 try:
                     d = await router.drain(plan.name, v, wait)
                 except LorafleetError as exc:

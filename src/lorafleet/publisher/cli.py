@@ -93,6 +93,19 @@ def _source(path: str, config_path: str | None):
     default=lambda: os.environ.get("LORAFLEET_CONTROL_TOKEN"),
     help="Control token (env LORAFLEET_CONTROL_TOKEN).",
 )
+@click.option(
+    "--keep-versions",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Retention window: this many newest versions stay routable (name@vN, sessions).",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Refuse pins and sessions this many versions behind the newest [default: window-1].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def command(
     path: str,
@@ -106,6 +119,8 @@ def command(
     agents: str | None,
     router: str | None,
     token: str | None,
+    keep_versions: int,
+    max_staleness: int | None,
     as_json: bool,
 ) -> None:
     """Publish the adapter at PATH (a PEFT directory or a state-dict file) to every replica."""
@@ -153,7 +168,14 @@ def command(
             ) as pub,
         ):
             result = pub.publish(
-                source, name=name, version=version, mode=mode, transfer=transfer, config=config
+                source,
+                name=name,
+                version=version,
+                mode=mode,
+                transfer=transfer,
+                config=config,
+                keep_versions=keep_versions,
+                max_staleness=max_staleness,
             )
     except PublishError as exc:
         raise click.ClickException(str(exc)) from exc

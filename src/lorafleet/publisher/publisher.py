@@ -34,6 +34,8 @@ from lorafleet._http import async_client
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import LorafleetError, PublishError, RemoteError, VersionConflict
+from lorafleet.protocol.agent import AdapterState
+from lorafleet.protocol.router import SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
 from lorafleet.publisher._replica import Agent
@@ -118,8 +120,19 @@ class AsyncPublisher:
         config: Mapping[str, Any] | None = None,
         base_model: str | None = None,
         max_rank: int | None = None,
+        keep_versions: int = 1,
+        max_staleness: int | None = None,
+        sessions: SessionPolicy = "pin",
     ) -> PublishResult:
         """Publish ``source`` as ``name`` on every replica. See the module docstring.
+
+        ``keep_versions`` (atomic mode): the retention window. The new version and the newest
+        ``keep_versions - 1`` before it stay loaded and routable (``name@vN``; sessions keep
+        the version they started on unless ``sessions="follow"``); an older one is drained and
+        released once it leaves the window. ``max_staleness`` (default ``keep_versions - 1``)
+        refuses pins and sessions further behind the newest. Each replica must hold
+        ``keep_versions + 1`` versions of the name during a publication, beside its other
+        adapters: one that cannot is refused, by name, before any byte moves.
 
         ``source``: an ``AdapterBundle``, a PEFT directory, a ``PeftModel`` (serialized in memory)
         or a LoRA state dict with ``config=`` (a native-only checkpoint). ``version=None`` takes
@@ -135,6 +148,10 @@ class AsyncPublisher:
         mode = mode or ("atomic" if self.router else "in_place")
         if mode == "atomic" and self.router is None:
             raise ValueError("atomic mode needs a router (the alias flip is the atomic step)")
+        if keep_versions < 1 or (keep_versions > 1 and mode != "atomic"):
+            raise ValueError("keep_versions is a positive count, above 1 only in atomic mode")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError("max_staleness cannot be negative")
         if transfer not in ("remote_upload", "shared_filesystem"):
             raise ValueError(f"unknown transfer mode {transfer!r}")
         if transfer == "shared_filesystem" and self.shared_dir is None:
@@ -153,8 +170,9 @@ class AsyncPublisher:
         async with self._name_locks[name]:
             await self._discover()
             async with self._lease(name):
-                previous = await self._active_version(name)
+                previous, window = await self._active(name)
                 version = self._choose_version(name, version, previous)
+                await self._check_room(name, keep_versions)
                 if bundle.version != version:
                     bundle = bundle.with_version(version)
                 plan = Plan(
@@ -167,6 +185,10 @@ class AsyncPublisher:
                     # failed publication left of it on an agent is superseded, not a conflict.
                     supersede=self.router is not None,
                     verify=self.verify,
+                    keep_versions=keep_versions,
+                    max_staleness=max_staleness,
+                    sessions=sessions,
+                    previous_window=window,
                 )
                 publication = Publication(
                     plan,
@@ -219,14 +241,48 @@ class AsyncPublisher:
             with contextlib.suppress(LorafleetError):
                 await self.router.acquire_lease(name, self.holder, ttl)
 
-    async def _active_version(self, name: str) -> int | None:
+    async def _active(self, name: str) -> tuple[int | None, tuple[int, ...]]:
+        """(the active version, the routable versions newest first) of ``name``."""
         if self.router is not None:
             table = await self.router.table()
             entry = table.aliases.get(name)
-            return entry.version if entry else None
+            if entry is None:
+                return None, ()
+            return entry.version, tuple(v.version for v in entry.window())
         lists = await asyncio.gather(*(a.client.list_adapters() for a in self._agents))
         versions = [r.version for lst in lists for r in lst if r.name == name]
-        return max(versions) if versions else None
+        return (max(versions), (max(versions),)) if versions else (None, ())
+
+    async def _check_room(self, name: str, keep_versions: int) -> None:
+        """Refuse, before any byte moves, a retention some replica's engine cannot hold: its
+        other adapters plus ``keep_versions + 1`` of this name (the window, and the new version
+        while the oldest drains). Raises ``PublishError`` naming each such replica."""
+        capped = [a for a in self._agents if a.info and a.info.capabilities.max_adapters]
+        lists = await asyncio.gather(
+            *(a.client.list_adapters() for a in capped), return_exceptions=True
+        )
+        short: dict[str, str] = {}
+        for agent, records in zip(capped, lists, strict=True):
+            if isinstance(records, BaseException):
+                continue  # unreachable now: its own load check refuses what it cannot hold
+            cap = agent.info.capabilities.max_adapters  # type: ignore[union-attr]
+            others = {
+                r.engine_name
+                for r in records
+                if r.name != name and r.state in (AdapterState.LOADED, AdapterState.ACTIVE)
+            }
+            if len(others) + keep_versions + 1 > cap:
+                short[agent.id] = (
+                    f"its engine holds at most {cap} adapters: {len(others)} of other names "
+                    f"plus {keep_versions} version(s) of {name!r} and the one being published "
+                    f"need {len(others) + keep_versions + 1}"
+                )
+        if short:
+            raise PublishError(
+                f"cannot keep {keep_versions} version(s) of {name!r}: some replicas have no room; "
+                "nothing was published",
+                short,
+            )
 
     @staticmethod
     def _choose_version(name: str, version: int | None, previous: int | None) -> int:

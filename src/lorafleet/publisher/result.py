@@ -68,6 +68,8 @@ class PublishResult:
     active_version: int
     replicas: dict[str, ReplicaTiming] = field(default_factory=dict)
     retired_versions: list[int] = field(default_factory=list)
+    routable_versions: list[int] = field(default_factory=list)
+    """The name's retention window after this publication, newest first (``name@vN``)."""
     warnings: list[str] = field(default_factory=list)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -58,15 +59,15 @@ class RouterConfig:
     upstream_keepalive_s: float = 2.0
     """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
     which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
-    unsafe_resolve_at_forward: float | None = None
     extra: dict = field(default_factory=dict)
 
 
 class RouterApp:
     """ASGI entry: hot POST routes to the proxy, the rest to FastAPI."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> None:
         self.config = config
+        self.proxy_class = proxy_class
         self.store = AliasStore(config.state_dir)
         self.balancer = Balancer(
             config.agents,
@@ -112,14 +113,13 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
-        self.proxy = Proxy(
+        self.proxy = self.proxy_class(
             self.store,
             self.balancer,
             self.metrics,
             pooled,
             fresh=fresh,
             api_key=self.config.api_key,
-            unsafe_resolve_at_forward=self.config.unsafe_resolve_at_forward,
         )
         try:
             yield
@@ -140,7 +140,7 @@ class RouterApp:
 
         A version that is neither active nor in flight is retired: its series are dropped.
         """
-        active = {(name, e.version) for name, e in self.store.aliases.items()}
+        active = {(name, v.version) for name, e in self.store.aliases.items() for v in e.window()}
         for adapter, version in list(self.metrics._children):
             if adapter is None or version is None or (adapter, version) in active:
                 continue
@@ -193,10 +193,10 @@ def _build_api(router: RouterApp) -> FastAPI:
                     "object": "model",
                     "created": now,
                     "owned_by": "lorafleet",
-                    "root": e.engine_name,
+                    "root": name,
                     "parent": parent,
                     "version": e.version,
-                    "engine_name": e.engine_name,
+                    "versions": [v.version for v in e.window()],
                 }
             )
         return {"object": "list", "data": data}
@@ -218,7 +218,15 @@ def _build_api(router: RouterApp) -> FastAPI:
         if "expected_version" in req.model_fields_set:
             kw["expected_version"] = req.expected_version
         return store.set_alias(
-            name, req.version, req.engine_name, req.replicas, lease_holder=req.lease_holder, **kw
+            name,
+            req.version,
+            req.engine_name,
+            req.replicas,
+            lease_holder=req.lease_holder,
+            keep_versions=req.keep_versions,
+            max_staleness=req.max_staleness,
+            sessions=req.sessions,
+            **kw,
         )
 
     @app.delete("/v1/control/aliases/{name}", dependencies=ctl, status_code=204)
@@ -229,9 +237,10 @@ def _build_api(router: RouterApp) -> FastAPI:
     @app.post("/v1/control/aliases/{name}/drain", dependencies=ctl, response_model=DrainResponse)
     async def drain(name: str, req: DrainRequest) -> DrainResponse:
         active = store.aliases.get(name)
-        if active is not None and active.version == req.version:
+        if active is not None and req.version in {v.version for v in active.window()}:
             raise VersionConflict(
-                f"{name!r} v{req.version} is the active version; flip the alias before draining",
+                f"{name!r} v{req.version} is still routable (in the retention window); only a "
+                "version that left it can be drained",
                 param="version",
             )
         left = await balancer.wait_drained(name, req.version, req.timeout_s)
@@ -290,5 +299,6 @@ def _document_data_plane(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(config: RouterConfig) -> RouterApp:
-    return RouterApp(config)
+def create_app(config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> RouterApp:
+    """The router's ASGI app. ``proxy_class``: the data plane (a seam for test doubles)."""
+    return RouterApp(config, proxy_class=proxy_class)

@@ -67,6 +67,8 @@ class Balancer:
         self.healthy_after = healthy_after
         self.by_id: dict[str, Replica] = {}
         self.sessions: OrderedDict[str, Replica] = OrderedDict()
+        self.pins: OrderedDict[str, dict[str, int]] = OrderedDict()
+        """session -> {adapter name: the version that session started on}."""
         self.inflight: dict[tuple[str | None, int | None], _Drain] = {}
         self._rr = 0
 
@@ -154,8 +156,20 @@ class Balancer:
                 self.sessions.popitem(last=False)
         return best
 
+    def pin(self, session: str, name: str, newest: int) -> int:
+        """The version ``session`` uses for ``name``: the one it started on, else ``newest``."""
+        names = self.pins.get(session)
+        if names is None:
+            names = self.pins[session] = {}
+            if len(self.pins) > MAX_SESSIONS:
+                self.pins.popitem(last=False)
+        else:
+            self.pins.move_to_end(session)
+        return names.setdefault(name, newest)
+
     def forget_session(self, session: str) -> None:
         self.sessions.pop(session, None)
+        self.pins.pop(session, None)
 
     # --- accounting ----------------------------------------------------------------------------
 

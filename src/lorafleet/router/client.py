@@ -19,6 +19,7 @@ from lorafleet.protocol.router import (
     Lease,
     LeaseRequest,
     ReplicaList,
+    SessionPolicy,
     SetAliasRequest,
 )
 
@@ -73,17 +74,27 @@ class AsyncRouterClient:
         replicas: list[str],
         expected_version: int | _NoCas | None = NO_CAS,
         lease_holder: str | None = None,
+        *,
+        keep_versions: int = 1,
+        max_staleness: int | None = None,
+        sessions: SessionPolicy = "pin",
     ) -> AliasEntry:
-        """Flip ``name`` to ``version``.
+        """Flip ``name`` to ``version``, keeping the newest ``keep_versions`` routable.
 
         Compare-and-set: ``expected_version`` is the active version the caller saw (``None``: no
         alias may exist yet); the default ``NO_CAS`` skips the check.
 
-        Raises RemoteError ``version_conflict`` (CAS failed or not newer) or
-        ``publish_in_progress`` (another holder's lease).
+        Raises ``VersionConflict`` (CAS failed or not newer) or ``PublishInProgress`` (another
+        holder's lease).
         """
         req = SetAliasRequest(
-            version=version, engine_name=engine_name, replicas=replicas, lease_holder=lease_holder
+            version=version,
+            engine_name=engine_name,
+            replicas=replicas,
+            lease_holder=lease_holder,
+            keep_versions=keep_versions,
+            max_staleness=max_staleness,
+            sessions=sessions,
         )
         body = req.model_dump(exclude={"expected_version"})
         if not isinstance(expected_version, _NoCas):

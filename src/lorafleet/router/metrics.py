@@ -59,6 +59,15 @@ class RouterMetrics:
             "version",
             registry=self.registry,
         )
+        self.version_lag = Histogram(
+            "lorafleet_router_version_lag",
+            "Versions between the one that served a request and the name's newest (pins and "
+            "sessions on older versions of the retention window)",
+            ["adapter"],
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        self._lags: dict[str, Histogram] = {}
         self._children: dict[tuple, tuple] = {}
         self._counters: dict[tuple, Counter] = {}
 
@@ -70,6 +79,13 @@ class RouterMetrics:
             a, v = adapter or "", "" if version is None else str(version)
             got = self._children[key] = (self.latency.labels(a, v), self.inflight.labels(a, v))
         return got
+
+    def lag(self, adapter: str) -> Histogram:
+        """The version-lag histogram child for ``adapter``, cached."""
+        h = self._lags.get(adapter)
+        if h is None:
+            h = self._lags[adapter] = self.version_lag.labels(adapter)
+        return h
 
     def forget(self, adapter: str, version: int) -> None:
         """Drop a retired version's series: a run that publishes every step would otherwise

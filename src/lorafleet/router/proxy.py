@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import json
 import re
@@ -33,8 +32,10 @@ from lorafleet.errors import (
     NoReplica,
     NotFound,
     ServiceError,
+    StaleVersion,
+    VersionNotRoutable,
 )
-from lorafleet.protocol.router import TAG_FIELD
+from lorafleet.protocol.router import TAG_FIELD, AliasEntry, RoutableVersion
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.table import AliasStore
@@ -80,6 +81,8 @@ class Route:
     engine_name: str | None
     replicas: list[str] | None
     base_model: str | None
+    lag: int = 0
+    """How many versions behind the name's newest (a pin or a session's version)."""
 
 
 def _esc(s: str) -> bytes:
@@ -99,7 +102,6 @@ class Proxy:
         *,
         fresh: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
-        unsafe_resolve_at_forward: float | None = None,
     ) -> None:
         self.store = store
         self.balancer = balancer
@@ -108,10 +110,6 @@ class Proxy:
         self.fresh = fresh or session
         """No connection reuse: where a request goes again after a stale pooled connection."""
         self._key = api_key or None
-        # Deliberately broken mode for the consistency checker's end-to-end test: re-read the
-        # alias table this many seconds after arrival and forward to whatever is active then,
-        # while tagging and counting the arrival version (a time-of-check/time-of-use bug).
-        self.unsafe_delay = unsafe_resolve_at_forward
 
     # --- entry ---------------------------------------------------------------------------------
 
@@ -133,7 +131,7 @@ class Proxy:
                 if k == b"x-session-id":
                     session = v.decode("latin-1")
                     break
-            route = self.resolve(req.get("model"))
+            route = self.resolve(req.get("model"), session)
             if path == "/generate":
                 fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
             else:
@@ -154,8 +152,6 @@ class Proxy:
         self.balancer.begin(key)  # same tick as resolve(): no await in between
         status = 0
         try:
-            if self.unsafe_delay is not None and route.adapter is not None:
-                route, cands = await self._unsafe_reresolve(route, cands)
             stream = req.get("stream") is True and path != "/generate"
             # A base-model request the router has nothing to change in goes out as the client's
             # own bytes; everything else is addressed per replica, in its engine's dialect.
@@ -176,6 +172,8 @@ class Proxy:
             hist, _ = self.metrics.children(route.adapter, route.version)
             hist.observe(time.perf_counter() - t0)
             self.metrics.count(route.adapter, route.version, status)
+            if route.adapter is not None:
+                self.metrics.lag(route.adapter).observe(route.lag)
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -199,26 +197,58 @@ class Proxy:
                 raise BodyTooLarge(f"body over {MAX_BODY} bytes")
         return bytes(buf)
 
-    def resolve(self, model: object) -> Route:
-        """``model`` -> Route, at arrival. Raises ``NotFound`` for an unknown name."""
+    def resolve(self, model: object, session: str | None = None) -> Route:
+        """``model`` -> Route, at arrival (see the addressing rules in protocol/router.py).
+
+        Raises ``NotFound`` for an unknown name, ``VersionNotRoutable`` for a pin (or a
+        session's version) outside the retention window, ``StaleVersion`` past
+        ``max_staleness``.
+        """
         if model is None:
             return Route(None, None, None, None, None, None)
         if not isinstance(model, str):
             raise InvalidRequest("model must be a string")
-        entry = self.store.aliases.get(model)
+        aliases = self.store.aliases
+        entry = aliases.get(model)
         if entry is not None:
-            return Route(model, model, entry.version, entry.engine_name, entry.replicas, None)
+            if session is None or entry.sessions == "follow":
+                ref = entry.window()[0]
+            else:
+                ref = self._session_version(entry, session)
+            lag = entry.version - ref.version
+            return Route(model, model, ref.version, ref.engine_name, ref.replicas, None, lag)
+        name, at, v = model.rpartition("@v")
+        if at and v.isdigit() and name in aliases:
+            entry = aliases[name]
+            ref = self._routable(entry, int(v), f"{model!r}")
+            lag = entry.version - ref.version
+            return Route(model, name, ref.version, ref.engine_name, ref.replicas, None, lag)
         if model in self.balancer.base_models():
             return Route(model, None, None, None, None, model)
         raise NotFound(f"The model `{model}` does not exist.")
 
-    async def _unsafe_reresolve(self, route: Route, cands: list[Replica]):
-        await asyncio.sleep(self.unsafe_delay or 0)
-        entry = self.store.aliases.get(route.adapter or "")
-        if entry is None:
-            return route, cands
-        moved = dataclasses.replace(route, engine_name=entry.engine_name, replicas=entry.replicas)
-        return moved, self.balancer.candidates(entry.replicas) or cands
+    def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
+        """The version ``session`` started on (pinned now if it is new)."""
+        pinned = self.balancer.pin(session, entry.name, entry.version)
+        return self._routable(entry, pinned, f"session {session!r}, which started on it,")
+
+    @staticmethod
+    def _routable(entry: AliasEntry, version: int, who: str) -> RoutableVersion:
+        window = entry.window()
+        listed = ", ".join(f"v{v.version}" for v in window)
+        ref = next((v for v in window if v.version == version), None)
+        if ref is None:
+            raise VersionNotRoutable(
+                f"{entry.name!r} v{version} is not routable for {who} (it is outside the "
+                f"retention window of {entry.keep_versions}); routable: {listed}"
+            )
+        lag = entry.version - version
+        if lag > entry.staleness:
+            raise StaleVersion(
+                f"{entry.name!r} v{version} requested by {who} is {lag} version(s) behind v"
+                f"{entry.version}, more than max_staleness {entry.staleness}; routable: {listed}"
+            )
+        return ref
 
     @staticmethod
     def _generate_request(req: dict, route: Route) -> dict:

@@ -1,4 +1,9 @@
-"""The alias table: which version of each adapter name is active, its flip log, and leases.
+"""The alias table: each adapter name's routable versions, its flip log, and leases.
+
+A name's entry holds its retention window: the newest version (what ``model=<name>`` gets) and
+up to ``keep_versions - 1`` older ones that stay routable for pins (``name@vN``) and sessions.
+A flip adds a version at the front and drops what falls off the back; those versions are
+drained by the router and then released by the Publisher.
 
 Pure state plus one durable file. Every mutation builds the new state, writes it to disk
 (temp file + fsync + ``os.replace``) and only then swaps it in, so what a client was told is
@@ -16,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafleet.errors import NotFound, PublishInProgress, VersionConflict
-from lorafleet.protocol.router import AliasEntry, AliasEvent, AliasTable, Lease
+from lorafleet.protocol.router import (
+    AliasEntry,
+    AliasEvent,
+    AliasTable,
+    Lease,
+    RoutableVersion,
+    SessionPolicy,
+)
 
 __all__ = ["STATE_FILE", "AliasStore", "LeaseRecord"]
 
@@ -134,8 +146,14 @@ class AliasStore:
         *,
         expected_version: object = _UNSET,
         lease_holder: str | None = None,
+        keep_versions: int = 1,
+        max_staleness: int | None = None,
+        sessions: SessionPolicy = "pin",
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
+
+        The new window is ``version`` plus the newest ``keep_versions - 1`` versions that were
+        routable before (the versions that fall out are no longer routable for new requests).
 
         Raises ``PublishInProgress`` (someone else holds the lease),
         ``VersionConflict`` (CAS failed, or ``version`` is not newer than the active one).
@@ -154,12 +172,18 @@ class AliasStore:
                 param="version",
             )
         event = self._append(name, version, engine_name)
+        newest = RoutableVersion(version=version, engine_name=engine_name, replicas=list(replicas))
+        kept = current.window() if current else []
         entry = AliasEntry(
             name=name,
             version=version,
             engine_name=engine_name,
             replicas=list(replicas),
             seq=event.seq,
+            keep_versions=keep_versions,
+            max_staleness=max_staleness,
+            sessions=sessions,
+            routable=[newest, *kept][:keep_versions],
         )
         aliases = {**self.aliases, name: entry}
         log = [*self.log, event][-MAX_LOG:]
