@@ -86,7 +86,7 @@ def test_publish_v1_v2_to_real_sglang(sglang_server, launcher, tiny_model, tmp_p
                 assert routed["choices"][0]["text"] == want
                 ids = merged_greedy_ids(tiny_model, adapter, PROMPT, 8)
                 got = _completion(router.url, model=name, return_token_ids=True)
-                assert got["choices"][0].get("token_ids") in (None, ids), got
+                assert got["choices"][0]["token_ids"] == ids, got  # PEFT merged, greedy
 
                 # Chat.
                 want_chat = _chat(served, model=direct)["choices"][0]["message"]["content"]
@@ -99,6 +99,7 @@ def test_publish_v1_v2_to_real_sglang(sglang_server, launcher, tiny_model, tmp_p
                 prompt_ids = _tokens(tiny_model, PROMPT)
                 routed = _skyrl_generate(router.url, name, prompt_ids)
                 assert routed["choices"][0]["text"] == want, routed
+                assert routed["choices"][0]["token_ids"] == ids, routed
                 assert routed["lorafleet"]["version"] == version
 
                 # The agent's verdict, asked again: applied.
