@@ -1,7 +1,9 @@
-"""Shared fixtures: the tiny model, real server processes on loopback, and the real vLLM tier.
+"""Shared fixtures: the tiny model, real server processes on loopback, and the real vLLM and
+SGLang tiers.
 
 Every server is a real process bound to 127.0.0.1, started by ``lorafleet.launch`` and stopped at
-teardown. The vLLM server is session-scoped: it costs ~3 GB and about a minute to start.
+teardown. The vLLM and SGLang servers are session-scoped: each costs 2-3 GB and about a minute
+to start, so every test of a tier shares its one server (and leaves no adapter behind).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.launch import Launcher, ReferenceEngineSpec, Server, VLLMSpec
-from lorafleet.testing import start_reference_engine, start_vllm
+from lorafleet.launch import Launcher, ReferenceEngineSpec, Server, SGLangSpec, VLLMSpec
+from lorafleet.testing import start_reference_engine, start_sglang, start_vllm
 from tests.fleets import FleetFactory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +48,15 @@ def reference_engine(session_launcher, tiny_model) -> Server[ReferenceEngineSpec
 
 
 @pytest.fixture(scope="session")
+def sglang_reference_engine(session_launcher, tiny_model) -> Server[ReferenceEngineSpec]:
+    """One reference engine in SGLang's dialect (``--dialect sglang``), max rank 16 like the real
+    SGLang server, shared by a session (tests must not leave adapters behind)."""
+    return start_reference_engine(
+        session_launcher, tiny_model, max_lora_rank=SGLANG_MAX_LORA_RANK, dialect="sglang"
+    )
+
+
+@pytest.fixture(scope="session")
 def make_fleet(tiny_model, tmp_path_factory) -> FleetFactory:
     """``make_fleet(launcher, n=2, ranks=..., router=True, ...)``: a fleet of real processes
     that lives as long as ``launcher`` (see ``tests.fleets.FleetFactory``)."""
@@ -66,3 +77,35 @@ def vllm_server(session_launcher, tiny_model) -> Server[VLLMSpec]:
     return start_vllm(
         session_launcher, tiny_model, max_lora_rank=VLLM_MAX_LORA_RANK, max_loras=VLLM_MAX_LORAS
     )
+
+
+# --- the real-SGLang tier -----------------------------------------------------------------------
+
+SGLANG_MAX_LORA_RANK = 16
+
+
+@pytest.fixture(scope="session")
+def sglang_server(session_launcher, tiny_model) -> Server[SGLangSpec]:
+    """One real SGLang 0.5.23 server (CPU engine) on the tiny model, runtime LoRA enabled
+    (docs/engines/sglang.md). It forgets every adapter, and every name it ever loaded, only when
+    it restarts, so a test must unload what it loaded and use names no other test uses."""
+    if os.environ.get("LORAFLEET_SKIP_SGLANG") == "1":
+        pytest.skip("real-SGLang tier off: LORAFLEET_SKIP_SGLANG=1")
+    venv = _sglang_venv()
+    if not (venv / ".lorafleet-ready").is_file():
+        pytest.skip(
+            f"real-SGLang tier off: no finished SGLang venv at {venv} "
+            "(scripts/setup-sglang.sh installs it; scripts/test.sh runs it)"
+        )
+    python = venv / "bin" / "python"
+    return start_sglang(
+        session_launcher, tiny_model, max_lora_rank=SGLANG_MAX_LORA_RANK, python=python
+    )
+
+
+def _sglang_venv() -> Path:
+    """Where scripts/setup-sglang.sh puts the venv (pytest never installs it: minutes of pip)."""
+    if venv := os.environ.get("LORAFLEET_SGLANG_VENV"):
+        return Path(venv)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lorafleet" / "venv-sglang-0.5.23"

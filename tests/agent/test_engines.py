@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -86,6 +87,45 @@ def test_sglang_backend(launcher, engine, tmp_path, peft_dir, peft_dir2, upsert)
     for name, v in (("sg", 1), ("sgp", 1), ("sgp", 2)):
         call(agent, lambda c, name=name, v=v: c.unload(name, v))
     assert _engine_adapters(eng.url) == set()
+
+
+@pytest.mark.parametrize(
+    "server", ["sglang_reference_engine", pytest.param("sglang_server", marks=pytest.mark.sglang)]
+)
+def test_sglang_backend_as_real_sglang(request, launcher, tmp_path, peft_dir, peft_dir2, server):
+    """Against real SGLang 0.5.23 and the reference engine's copy of it: the agent reads the
+    limits from ``/server_info``, and in place serves each new version although SGLang has no
+    upsert and re-loads a remembered name from its old path (the agent re-points that path)."""
+    eng = request.getfixturevalue(server)
+    agent = start_agent(launcher, eng, tmp_path / "agent", kind="sglang")
+    caps = httpx.get(agent.url + "/v1/info").json()["capabilities"]
+    assert (caps["max_lora_rank"], caps["max_loras_per_batch"]) == (16, 8)
+    assert caps["upsert"] is False and caps["lora_target_modules"]
+    name = "inplace-agent"  # remembered by the session's server forever: used nowhere else
+    base = _generate(eng.url, None)
+    publish(agent, AdapterBundle.from_dir(peft_dir, name=name, version=1), mode="in_place")
+    v1 = _generate(eng.url, name)
+    assert v1 != base
+    publish(agent, AdapterBundle.from_dir(peft_dir2, name=name, version=2), mode="in_place")
+    v2 = _generate(eng.url, name)
+    assert v2 not in (v1, base)
+    for v in (1, 2):
+        call(agent, lambda c, v=v: c.unload(name, v))
+    assert name not in _engine_adapters(eng.url)
+
+
+def test_sglang_upsert_ignored_is_refused(launcher, sglang_reference_engine, tmp_path, peft_dir):
+    """--sglang-upsert in front of stock SGLang (which ignores the field and answers 'already
+    loaded') must fail the load, not leave the old weights serving under the name."""
+    eng = sglang_reference_engine
+    agent = start_agent(launcher, eng, tmp_path / "agent", kind="sglang", extra=["--sglang-upsert"])
+    name = "upsert-ignored"
+    publish(agent, AdapterBundle.from_dir(peft_dir, name=name, version=1), mode="in_place")
+    with pytest.raises(Exception, match="ignored upsert"):
+        publish(agent, AdapterBundle.from_dir(peft_dir, name=name, version=2), mode="in_place")
+    for v in (1, 2):
+        with contextlib.suppress(Exception):
+            call(agent, lambda c, v=v: c.unload(name, v))
 
 
 @pytest.mark.vllm

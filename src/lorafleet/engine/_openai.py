@@ -1,7 +1,9 @@
 """The OpenAI-compatible routes, as vLLM serves them: models, completions, chat, streaming.
 
 Handlers translate HTTP to runtime calls and back; bodies come from ``_openai_bodies``. The adapter
-is named vLLM's way (``model=<adapter>``) or SGLang's (see ``_sglang.openai_adapter_name``).
+is named vLLM's way (``model=<adapter>``) or SGLang's (see ``_sglang.openai_adapter_name``); with
+an ``_sglang.SGLangDialect`` only SGLang's, exactly as real SGLang names it (a bare name is the
+base model), and ``/v1/models`` lists SGLang's cards.
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ from lorafleet.engine.protocol import ChatCompletionRequest, CompletionRequest
 __all__ = ["router"]
 
 
-def _resolve(runtime: Runtime, model: str | None, lora_path: str | None) -> AdapterRecord | None:
-    """The adapter a request names, in SGLang's addressing first, else vLLM's (404 if unknown)."""
+async def _resolve(
+    runtime: Runtime,
+    dialect: _sglang.SGLangDialect | None,
+    model: str | None,
+    lora_path: str | None,
+) -> AdapterRecord | None:
+    """The adapter a request names: SGLang's way only with ``dialect``; else in SGLang's
+    addressing first, then vLLM's (404 if unknown)."""
+    if dialect is not None:
+        return await dialect.resolve_openai(model, lora_path)
     return runtime.resolve(_sglang.openai_adapter_name(runtime, model, lora_path) or model)
 
 
@@ -42,8 +52,11 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
-    """``/v1/models``, ``/v1/engine_info``, ``/v1/completions`` and ``/v1/chat/completions``."""
+def router(
+    runtime: Runtime, metrics: EngineMetrics, dialect: _sglang.SGLangDialect | None = None
+) -> APIRouter:
+    """``/v1/models``, ``/v1/engine_info`` (not with ``dialect``: SGLang has none),
+    ``/v1/completions`` and ``/v1/chat/completions``."""
     api = APIRouter()
     served = runtime.served_model_name
     token_text = runtime.token_text
@@ -51,6 +64,8 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
     @api.get("/v1/models")
     async def models() -> dict:
         metrics.requests.labels("/v1/models", "").inc()
+        if dialect is not None:
+            return dialect.models()
         now = int(time.time())
         data = [bodies.model_card(served, runtime.model_dir, None, now, runtime.max_model_len)]
         data += [
@@ -59,7 +74,6 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
         ]
         return {"object": "list", "data": data}
 
-    @api.get("/v1/engine_info")
     async def engine_info() -> dict:
         return {
             "model": served,
@@ -69,11 +83,14 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
             "adapters": {a.name: a.path for a in runtime.adapters.values()},
         }
 
+    if dialect is None:
+        api.add_api_route("/v1/engine_info", engine_info, methods=["GET"])
+
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
         model_name = req.model or served
         metrics.requests.labels("/v1/completions", model_name).inc()
-        adapter = _resolve(runtime, req.model, req.lora_path)
+        adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
         p = req.prompt
         if isinstance(p, str):
             prompts: list[tuple[str | None, list[int]]] = [(p, runtime.encode(p))]
@@ -183,7 +200,7 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         model_name = req.model or served
         metrics.requests.labels("/v1/chat/completions", model_name).inc()
-        adapter = _resolve(runtime, req.model, req.lora_path)
+        adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
         try:
             prompt = runtime.render_chat(_chat_messages(req), req.add_generation_prompt)
         except Exception as exc:  # jinja errors: vLLM answers 400

@@ -29,6 +29,7 @@ import torch
 
 from lorafleet.engine._errors import EngineError
 from lorafleet.engine._validate import check_adapter_dir
+from lorafleet.rules import REFERENCE, Rulebook
 
 __all__ = ["AdapterRecord", "GenParams", "GenResult", "Runtime", "TokenEvent"]
 
@@ -104,13 +105,17 @@ class Runtime:
         max_loras: int = 8,
         max_lora_rank: int = 64,
         max_model_len: int | None = None,
+        rules: Rulebook = REFERENCE,
     ) -> None:
+        """``rules``: what a load refuses, in whose words (vLLM's by default; SGLang's for the
+        SGLang dialect)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(Path(model_dir).resolve())
         self.served_model_name = served_model_name
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.rules = rules
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
@@ -293,7 +298,11 @@ class Runtime:
                 "Unload one first.",
             )
         cfg = check_adapter_dir(
-            name, path, max_lora_rank=self.max_lora_rank, expected_modules=self.lora_modules
+            name,
+            path,
+            max_lora_rank=self.max_lora_rank,
+            expected_modules=self.lora_modules,
+            rules=self.rules,
         )
         internal = f"lf{next(self._ids)}"
         try:

@@ -5,8 +5,13 @@
 - ``_openai``: the OpenAI routes (models, completions, chat, streaming), bodies in
   ``_openai_bodies``;
 - ``_vllm_admin``: vLLM's runtime-LoRA routes;
-- ``_sglang``: SGLang's runtime-LoRA routes, ``/generate`` and ``/get_model_info``;
+- ``_sglang``: SGLang's runtime-LoRA routes, ``/generate`` and its info routes;
 - here: ``/health``, ``/metrics``, vLLM's error envelope everywhere, and the API key.
+
+``dialect="sglang"`` makes the engine a stand-in for real SGLang 0.5.23 (``_sglang.SGLangDialect``):
+no vLLM routes (``vllm_lora_routes`` keeps its load/unload, for a test of a misconfigured fleet),
+SGLang's addressing on the OpenAI routes, and FastAPI's bare ``{"detail": ...}`` for an unknown
+route, as SGLang answers one.
 
 Route handlers only translate HTTP to runtime calls and back; model work happens on the
 runtime's worker thread, never on the event loop.
@@ -25,12 +30,14 @@ from lorafleet.engine import _openai, _sglang, _vllm_admin
 from lorafleet.engine._errors import EngineError, error_body
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import Runtime
+from lorafleet.engine._sglang import SGLangDialect, SGLangError
 
 __all__ = ["create_app"]
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """vLLM's envelope for every error, whichever route or layer raised it."""
+def _add_error_handlers(app: FastAPI, dialect: str) -> None:
+    """vLLM's envelope for every error, whichever route or layer raised it (SGLang's own shapes
+    in its dialect)."""
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -42,13 +49,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return JSONResponse(
-            error_body(400, "BadRequestError", "; ".join(parts) or "invalid request"),
-            status_code=400,
-        )
+        message = "; ".join(parts) or "invalid request"
+        if dialect == "sglang":
+            return JSONResponse(SGLangError(message).body(), status_code=400)
+        return JSONResponse(error_body(400, "BadRequestError", message), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if dialect == "sglang":
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
         kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
         return JSONResponse(
             error_body(exc.status_code, kind, str(exc.detail)), status_code=exc.status_code
@@ -77,11 +86,26 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
         return await call_next(request)
 
 
-def create_app(runtime: Runtime, *, api_key: str | None = None) -> FastAPI:
-    """The engine's ASGI app. ``api_key`` guards /v1/* and SGLang's routes like vLLM's --api-key."""
+def create_app(
+    runtime: Runtime,
+    *,
+    api_key: str | None = None,
+    dialect: str = "vllm",
+    sglang_upsert: bool = False,
+    vllm_lora_routes: bool = False,
+) -> FastAPI:
+    """The engine's ASGI app. ``api_key`` guards /v1/* and SGLang's routes like vLLM's --api-key.
+
+    ``dialect``: "vllm" (vLLM's, with SGLang's routes beside it) or "sglang" (real SGLang
+    0.5.23's, see ``_sglang``); ``sglang_upsert``: in SGLang's dialect, honour the Miles fork's
+    ``upsert``; ``vllm_lora_routes``: in SGLang's dialect, keep vLLM's load and unload routes.
+    """
+    if dialect not in ("vllm", "sglang"):
+        raise ValueError(f"unknown dialect {dialect!r}")
     app = FastAPI(title="lorafleet reference engine", docs_url=None, redoc_url=None)
     metrics = EngineMetrics()
-    _add_error_handlers(app)
+    sglang = SGLangDialect(runtime, upsert=sglang_upsert) if dialect == "sglang" else None
+    _add_error_handlers(app, dialect)
     _add_auth(app, api_key)
 
     @app.get("/health")
@@ -93,9 +117,10 @@ def create_app(runtime: Runtime, *, api_key: str | None = None) -> FastAPI:
         metrics.adapters_loaded.set(len(runtime.adapters))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(_openai.router(runtime, metrics))
-    app.include_router(_vllm_admin.router(runtime, metrics))
-    app.include_router(_sglang.router(runtime, metrics))
+    app.include_router(_openai.router(runtime, metrics, sglang))
+    if sglang is None or vllm_lora_routes:
+        app.include_router(_vllm_admin.router(runtime, metrics))
+    app.include_router(_sglang.router(runtime, metrics, sglang))
     app.state.runtime = runtime
     app.state.metrics = metrics
     return app

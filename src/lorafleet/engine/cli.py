@@ -1,4 +1,5 @@
-"""``lorafleet engine``: serve a model on CPU with runtime LoRA, speaking vLLM's (and SGLang's) API.
+"""``lorafleet engine``: serve a model on CPU with runtime LoRA, speaking vLLM's (and SGLang's) API,
+or (``--dialect sglang``) only SGLang's, as a real SGLang 0.5.23 server does.
 
 torch, transformers and peft are imported inside the command, so ``lorafleet`` itself imports
 without them.
@@ -46,6 +47,25 @@ def _threads() -> int:
     envvar="LORAFLEET_ENGINE_API_KEY",
     help="Bearer token required on /v1/* and SGLang routes.",
 )
+@click.option(
+    "--dialect",
+    type=click.Choice(["vllm", "sglang"]),
+    default="vllm",
+    show_default=True,
+    help="vllm: vLLM's API, with SGLang's routes beside it. sglang: behave as a real SGLang "
+    "0.5.23 server (a bare adapter name in `model` serves the base model; no vLLM routes).",
+)
+@click.option(
+    "--sglang-upsert",
+    is_flag=True,
+    help="With --dialect sglang: honour `upsert` on /load_lora_adapter, as the Miles fork does.",
+)
+@click.option(
+    "--vllm-lora-routes",
+    is_flag=True,
+    help="With --dialect sglang: keep vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter "
+    "(a misconfigured-fleet test double: loads like vLLM, addresses like SGLang).",
+)
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     model_dir: str,
@@ -57,6 +77,9 @@ def command(
     max_lora_rank: int,
     max_model_len: int | None,
     api_key: str | None,
+    dialect: str,
+    sglang_upsert: bool,
+    vllm_lora_routes: bool,
     log_level: str,
 ) -> None:
     """Run the reference engine: a CPU inference server with runtime LoRA (torch + PEFT)."""
@@ -66,6 +89,7 @@ def command(
     from lorafleet.engine._runtime import Runtime
     from lorafleet.engine.app import create_app
     from lorafleet.launch.listen import serve
+    from lorafleet.rules import REFERENCE, SGLANG
 
     hf_logging.disable_progress_bar()  # a progress bar per start only clutters the server log
     torch.set_num_threads(_threads())
@@ -75,8 +99,15 @@ def command(
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
         max_model_len=max_model_len,
+        rules=SGLANG if dialect == "sglang" else REFERENCE,
     )
-    app = create_app(runtime, api_key=api_key)
+    app = create_app(
+        runtime,
+        api_key=api_key,
+        dialect=dialect,
+        sglang_upsert=sglang_upsert,
+        vllm_lora_routes=vllm_lora_routes,
+    )
     try:
         serve(app, host=host, port=port, fd=fd, log_level=log_level, access_log=False)
     finally:

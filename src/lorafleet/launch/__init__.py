@@ -28,6 +28,7 @@ from lorafleet.launch.specs import (
     ReferenceEngineSpec,
     RouterSpec,
     ServerSpec,
+    SGLangSpec,
     SocketServerSpec,
     VLLMSpec,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "ProcessExited",
     "ReferenceEngineSpec",
     "RouterSpec",
+    "SGLangSpec",
     "Server",
     "ServerSpec",
     "SocketServerSpec",

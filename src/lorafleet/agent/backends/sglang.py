@@ -1,11 +1,19 @@
-"""SGLang's runtime LoRA API: ``/load_lora_adapter`` and ``/unload_lora_adapter``.
+"""SGLang's runtime LoRA API: ``/load_lora_adapter``, ``/unload_lora_adapter``, ``/v1/models``.
 
-Both answer ``{success, error_message, loaded_adapters}``, 200 on success and 400 on failure
-(research/sglang-and-miles.md §1.2). A plain load never replaces a loaded name; Miles' SGLang
-accepts ``upsert: true`` (opt in with ``--sglang-upsert``). Without it an in-place update is
-unload-then-load, which is NOT atomic: requests between the two calls find no adapter.
-Adapters are listed from ``/v1/models`` (cards whose ``parent`` is set), falling back to the
-``loaded_adapters`` map of a no-op unload where an engine does not list them.
+Facts this relies on, observed on SGLang 0.5.23 (docs/engines/sglang.md):
+
+- both routes answer ``{success, error_message, loaded_adapters}``: 200 on success, **400** on any
+  failure, told apart by the message (``... because it is already loaded``, ``LoRA with name X does
+  not exist. Loaded LoRAs: ...``, ``... incompatible with the current LoRA memory pool ...``);
+- ``upsert`` (or any unknown field) in a load is ignored: a registered name answers ``already
+  loaded``. Only the Miles fork honours ``upsert`` (opt in with ``--sglang-upsert``). Without it an
+  in-place update is unload then load of the plain name, which the agent loads from a link it
+  re-points first, so that SGLang's implicit re-load of a remembered name (any request naming it
+  after the unload) reads the new version; ``already loaded`` right after our own unload is that
+  re-load, and succeeds when ``/v1/models`` shows the name with the same path;
+- ``/v1/models`` lists the registered adapters (``parent`` = the base, ``root`` = the path as
+  given) and the base card (``parent: null``); ``/server_info`` (``/get_server_info`` before it)
+  reports the LoRA limits the server was started with.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from lorafleet.protocol.agent import EngineCapabilities
 
 __all__ = ["SGLangBackend"]
 
+_ALREADY_LOADED = "already loaded"
+
 
 class SGLangBackend(EngineBackend):
     kind = "sglang"
@@ -45,19 +55,42 @@ class SGLangBackend(EngineBackend):
         self.max_adapters = max_adapters
 
     async def probe(self) -> EngineProbe:
+        """The served name from ``/v1/models``, the limits from ``/server_info``; the agent's
+        ``--max-lora-rank``/``--max-adapters`` override what the server reports."""
         base = None
         for card in await self._models():
             if not card.get("parent"):
                 base = str(card["id"])
                 break
+        if base is None:
+            raise EngineUnavailable("engine lists no base model in /v1/models")
+        info = await self._server_info()
+        if info.get("enable_lora") is False:
+            raise EngineUnavailable(
+                "SGLang runs without runtime LoRA: start it with --enable-lora and --max-lora-rank"
+            )
         caps = EngineCapabilities(
             kind="sglang",
-            max_lora_rank=self.max_lora_rank,
-            max_adapters=self.max_adapters,
+            max_lora_rank=self.max_lora_rank or _int(info.get("max_lora_rank")),
+            # None on the server means no cap: it evicts nothing until the count exceeds one.
+            max_adapters=self.max_adapters or _int(info.get("max_loaded_loras")),
             upsert=self.upsert,
             unload_frees_slot=True,
+            max_loras_per_batch=_int(info.get("max_loras_per_batch")),
+            lora_target_modules=_str_list(info.get("lora_target_modules")),
         )
-        return EngineProbe(base_model=base or "unknown", capabilities=caps)
+        return EngineProbe(base_model=base, capabilities=caps)
+
+    async def _server_info(self) -> dict:
+        """``GET /server_info`` (``/get_server_info`` on older servers); ``{}`` without either."""
+        for route in ("/server_info", "/get_server_info"):
+            with map_transport(self.url):
+                r = await self.http.get(route, timeout=10.0)
+            if r.status_code == 200:
+                return json_dict(r)
+            if r.status_code != 404:
+                raise EngineUnavailable(f"GET {route} answered {r.status_code}: {error_message(r)}")
+        return {}
 
     async def list_adapters(self) -> dict[str, str]:
         return {
@@ -65,13 +98,12 @@ class SGLangBackend(EngineBackend):
         }
 
     async def _post(self, route: str, body: dict) -> dict:
+        """The answer as ``{success, error_message, status}``; raises ``EngineUnavailable``."""
         with map_transport(self.url):
             r = await self.http.post(route, json=body)
         data = json_dict(r)
         if r.status_code == 404 and data.get("detail") == "Not Found":
-            raise EngineUnavailable(
-                f"the engine has no {route} route (start it with --enable-lora)"
-            )
+            raise EngineUnavailable(f"the engine has no {route} route: is it SGLang?")
         if r.status_code == 200 and data.get("success", True):
             return data
         if r.status_code >= 500:
@@ -80,28 +112,53 @@ class SGLangBackend(EngineBackend):
 
     async def load(self, name: str, path: str, *, replace: bool = False) -> None:
         body: dict = {"lora_name": name, "lora_path": path}
-        if replace and self.upsert:
+        upsert = replace and self.upsert
+        if upsert:
             body["upsert"] = True
         elif replace:
-            # Not atomic (documented): SGLang refuses to load over a loaded name.
+            # Not atomic (documented): SGLang refuses to load over a registered name.
             with contextlib.suppress(AdapterMissing):
                 await self.unload(name)
         data = await self._post("/load_lora_adapter", body)
-        if not data.get("success", True) and "already loaded" in str(data.get("error_message")):
-            # A lost answer to an earlier load of the same name and path: already done.
+        if data.get("success", True):
+            return
+        msg = str(data.get("error_message") or "")
+        if _ALREADY_LOADED in msg:
+            if upsert:
+                # A server that honoured upsert never says this: it ignored the field (stock
+                # SGLang), and the name still serves the old weights.
+                raise EngineRejected(
+                    f"SGLang ignored upsert for {name!r} ({msg}): it is not the Miles fork; "
+                    "start the agent without --sglang-upsert",
+                    data.get("status"),
+                )
+            # The same name from the same path is what we asked for: an earlier load whose
+            # answer was lost, or (after our own unload) a request that re-loaded the name from
+            # its remembered path, which is ``path`` itself.
             with contextlib.suppress(EngineUnavailable):
                 held = await self.list_adapters()
                 if name in held and held[name] in ("", path):
                     return
-        if not data.get("success", True):
-            raise EngineRejected(
-                f"SGLang refused to load {name!r}: {data.get('error_message')}", data.get("status")
-            )
+        raise EngineRejected(f"SGLang refused to load {name!r}: {msg}", data.get("status"))
 
     async def unload(self, name: str) -> None:
+        """Raises ``AdapterMissing`` when SGLang does not hold ``name`` (it may still remember
+        its path: only removing the files there keeps a request from re-loading it)."""
         data = await self._post("/unload_lora_adapter", {"lora_name": name})
         if not data.get("success", True):
             msg = str(data.get("error_message") or "")
-            if "not exist" in msg or "not found" in msg.lower() or "not loaded" in msg:
+            if "does not exist" in msg or "not found" in msg.lower() or "not loaded" in msg:
                 raise AdapterMissing(msg)
             raise EngineRejected(f"SGLang refused to unload {name!r}: {msg}", data.get("status"))
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str_list(value: object) -> list[str] | None:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple | set):
+        return sorted(str(v) for v in value)
+    return None
