@@ -175,3 +175,28 @@ def test_a_window_a_replica_cannot_hold_is_refused_before_any_byte(
             metrics = httpx.get(agent.url + "/metrics").text
             assert "lorafleet_agent_upload_bytes_total 0.0" in metrics
         assert pub.publish(str(a), name="policy", keep_versions=2).routable_versions == [1]
+
+
+@pytest.mark.sglang
+def test_k_versions_routable_on_real_sglang(sglang_server, launcher, tiny_model, tmp_path):
+    """The same on one real SGLang replica, addressed as ``<base>:<name>@vN``."""
+    token = secrets.token_urlsafe(12)
+    agent = start_agent(launcher, sglang_server, tmp_path / "agent", kind="sglang", token=token)
+    router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
+    adapters = [
+        make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=90 + i) for i in range(3)
+    ]
+    name = "async-policy"  # SGLang remembers every name it loaded: no other test uses this one
+    try:
+        with Publisher([agent.url], router=router.url, token=token) as pub:
+            drive_async_rl(pub, router.url, adapters, name)
+        auth = {"Authorization": f"Bearer {token}"}
+        listed = httpx.get(agent.url + "/v1/adapters", headers=auth, timeout=10).json()
+        assert_only_the_window_remains(agent, listed["adapters"], sglang_server.url, name)
+    finally:  # leave the shared engine as it was found
+        for v in range(1, PUBLICATIONS + 2):
+            httpx.post(
+                sglang_server.url + "/unload_lora_adapter",
+                json={"lora_name": f"{name}@v{v}"},
+                timeout=30,
+            )
