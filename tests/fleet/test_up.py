@@ -15,6 +15,7 @@ import pytest
 
 from lorafleet.fleet.state import FleetInfo, pid_alive, read_fleet_file
 from lorafleet.launch import ManagedProcess, lorafleet_argv
+from lorafleet.testing import make_peft_adapter
 
 
 def _wait_for_fleet(up: ManagedProcess, data_dir: Path, timeout: float = 150.0) -> FleetInfo:
@@ -65,6 +66,11 @@ def test_up_status_and_sigint_shutdown(tmp_path: Path, tiny_model: Path) -> None
         again = _run("up", "--data-dir", str(data_dir))
         assert again.returncode != 0 and "already running" in again.stderr
 
+        adapter = make_peft_adapter(tiny_model, tmp_path / "adapter", r=8, seed=3)
+        published = _run("publish", str(adapter), "--name", "policy", "--fleet", str(data_dir))
+        assert published.returncode == 0, published.stdout + published.stderr
+        assert published.stdout.count("application applied") == 2, published.stdout
+
         status = _run("status", "--data-dir", str(data_dir))
         assert status.returncode == 0, status.stdout + status.stderr
         for r in info.replicas:
@@ -72,11 +78,19 @@ def test_up_status_and_sigint_shutdown(tmp_path: Path, tiny_model: Path) -> None
             row = next(line for line in status.stdout.splitlines() if replica_id in line)
             assert "healthy" in row and "unhealthy" not in row
         assert "active versions" in status.stdout
+        # One adapter row per replica, each saying its engine was proven to apply it.
+        rows = [line for line in status.stdout.splitlines() if "policy@v1" in line]
+        rows = [line for line in rows if "active" in line or "staged" in line or "load" in line]
+        assert len(rows) == 2 and all(" applied " in line for line in rows), status.stdout
 
         as_json = json.loads(_run("status", "--data-dir", str(data_dir), "--json").stdout)
         assert as_json["router_healthy"] is True
         assert [r["healthy"] for r in as_json["replicas"]] == [True, True]
         assert as_json["inflight_total"] == 0
+        assert [a["application"] for r in as_json["replicas"] for a in r["adapters"]] == [
+            "applied",
+            "applied",
+        ]
 
         # Ctrl-C (SIGINT to the `up` process only, as a terminal's would be with our sessions).
         os.kill(up.pid, signal.SIGINT)

@@ -174,7 +174,7 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
         )
 
     adapters = Table(title="adapters on replicas", title_justify="left")
-    for col in ("replica", "name", "version", "engine name", "state", "digest"):
+    for col in ("replica", "name", "version", "engine name", "state", "applied", "digest"):
         adapters.add_column(col)
     for v in status.replicas:
         for a in sorted(v.adapters, key=lambda a: (a.get("name", ""), a.get("version", 0))):
@@ -184,6 +184,7 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
                 str(a.get("version")),
                 str(a.get("engine_name")),
                 str(a.get("state")),
+                str(a.get("application") or "-"),  # the engine's proof (agent/probe.py)
                 str(a.get("digest", ""))[:19],
             )
 

@@ -192,7 +192,8 @@ def command(
     for rid, t in result.replicas.items():
         click.echo(
             f"  {rid}: upload {t.upload_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms, "
-            f"load {t.load_s * 1e3:.0f} ms, {t.files_deduplicated} file(s) deduplicated"
+            f"load {t.load_s * 1e3:.0f} ms, {t.files_deduplicated} file(s) deduplicated, "
+            f"application {t.application} (probe {t.probe_s * 1e3:.0f} ms)"
         )
     if result.retired_versions:
         click.echo(f"  retired: {', '.join(f'v{v}' for v in result.retired_versions)}")
