@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lorafleet.fleet.state import FleetInfo, pid_alive, read_fleet_file
@@ -58,7 +59,9 @@ def test_up_status_and_sigint_shutdown(tmp_path: Path, tiny_model: Path) -> None
         assert len(pids) == 5 and all(pid_alive(p) for p in pids)
         urls = [info.router_url] + [u for r in info.replicas for u in (r.agent_url, r.engine_url)]
         # The banner carries the secrets and URLs.
-        banner = up.log_tail(80)
+        deadline = time.monotonic() + 30  # fleet.json is written just before the banner
+        while info.api_key not in (banner := up.log_tail(80)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert info.control_token in banner and info.api_key in banner
         assert info.router_url in banner
 
@@ -70,6 +73,9 @@ def test_up_status_and_sigint_shutdown(tmp_path: Path, tiny_model: Path) -> None
         published = _run("publish", str(adapter), "--name", "policy", "--fleet", str(data_dir))
         assert published.returncode == 0, published.stdout + published.stderr
         assert published.stdout.count("application applied") == 2, published.stdout
+        for r in info.replicas:
+            metrics = httpx.get(r.agent_url + "/metrics", timeout=10).text
+            assert 'lorafleet_agent_application_checks_total{outcome="applied"} 1.0' in metrics
 
         status = _run("status", "--data-dir", str(data_dir))
         assert status.returncode == 0, status.stdout + status.stderr
