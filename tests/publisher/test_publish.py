@@ -303,6 +303,19 @@ def test_unreachable_agent_fails_before_anything(launcher, make_fleet, adapters)
     assert fleet.adapters(0) == []
 
 
+def test_unreachable_router_is_a_publish_error_and_sends_nothing(launcher, make_fleet, adapters):
+    fleet = make_fleet(launcher, 2)
+    fleet.router.proc.stop()
+    with (
+        Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub,
+        pytest.raises(PublishError, match="router is unreachable; nothing was sent") as err,
+    ):
+        pub.publish(str(adapters["a"]), name="policy")
+    assert set(err.value.failures) == {"router"}
+    assert fleet.adapters(0) == [] and fleet.adapters(1) == []
+    assert fleet.staging_bytes() == [0, 0]
+
+
 def test_rollback_leaves_another_publishers_version_alone(launcher, make_fleet, adapters):
     """v2 on the agent belongs to someone else (other bytes): a publisher without the name's
     lease must not remove it, whatever fails. A lease holder at the router owns every version

@@ -33,7 +33,13 @@ from anyio.from_thread import start_blocking_portal
 from lorafleet._http import async_client
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
-from lorafleet.errors import LorafleetError, PublishError, RemoteError, VersionConflict
+from lorafleet.errors import (
+    LorafleetError,
+    PublishError,
+    RemoteError,
+    TransportError,
+    VersionConflict,
+)
 from lorafleet.protocol.agent import AdapterState
 from lorafleet.protocol.router import SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
@@ -211,10 +217,17 @@ class AsyncPublisher:
         try:
             await self.router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
         except RemoteError as exc:
-            cls = publish_error_class(exc)
-            if cls is None:
-                raise
-            raise cls(f"cannot publish {name!r}: {exc.message}", {"router": exc.message}) from exc
+            cls = publish_error_class(exc) or PublishError
+            raise cls(
+                f"cannot publish {name!r}: the router refused the lease ({exc.message}); "
+                "nothing was sent",
+                {"router": exc.message},
+            ) from exc
+        except TransportError as exc:  # a PublishError like any other failed publication
+            raise PublishError(
+                f"cannot publish {name!r}: the router is unreachable; nothing was sent",
+                {"router": str(exc)},
+            ) from exc
         # A long upload must not outlive the lease: renew it while the publication runs.
         heartbeat = asyncio.create_task(self._keep_lease(name))
         try:
