@@ -59,6 +59,12 @@ def test_routes_by_version_with_tags(router, fleet, peft_dir):
         }  # fmt: skip
     r = set_alias(router, "route", 2, en2, [b.replica_id], expected_version=1)
     assert r.status_code == 200 and r.json()["seq"] == 2
+    # The table with its flip log, and without it (what a publication reads).
+    url = f"{router.url}/v1/control/aliases"
+    full = httpx.get(url, headers=ctl(router), timeout=10).json()
+    assert [e["version"] for e in full["log"] if e["name"] == "route"] == [1, 2]
+    bare = httpx.get(url, params={"log": "false"}, headers=ctl(router), timeout=10).json()
+    assert bare["log"] == [] and bare["aliases"] == full["aliases"]
     for _ in range(3):
         r = complete(router, "route")
         assert r.json()["lorafleet"]["version"] == 2

@@ -218,7 +218,7 @@ class Publication:
                 sleep=asyncio.sleep,
             ):
                 with attempt:
-                    table = await self.router.table()
+                    table = await self.router.table(log=False)
         except RetryError:
             return None
         entry = table.aliases.get(self.plan.name)

@@ -257,7 +257,7 @@ class AsyncPublisher:
     async def _active(self, name: str) -> tuple[int | None, tuple[int, ...]]:
         """(the active version, the routable versions newest first) of ``name``."""
         if self.router is not None:
-            table = await self.router.table()
+            table = await self.router.table(log=False)
             entry = table.aliases.get(name)
             if entry is None:
                 return None, ()

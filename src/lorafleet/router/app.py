@@ -216,8 +216,10 @@ def _build_api(router: RouterApp) -> FastAPI:
         return {"ok": True}
 
     @app.get("/v1/control/aliases", dependencies=ctl, response_model=AliasTable)
-    async def table() -> AliasTable:
-        return store.table()
+    async def table(log: bool = True) -> AliasTable:
+        """``log=false``: the aliases alone (the flip log is up to 10,000 events long)."""
+        table = store.table()
+        return table if log else AliasTable(aliases=table.aliases, log=[])
 
     @app.put("/v1/control/aliases/{name}", dependencies=ctl, response_model=AliasEntry)
     async def set_alias(name: str, req: SetAliasRequest) -> AliasEntry:

@@ -62,8 +62,10 @@ class AsyncRouterClient:
             resp = await self._client.request(method, url, headers=self._headers, **kw)
         return raise_for_status(resp)
 
-    async def table(self) -> AliasTable:
-        r = await self._call("GET", "/v1/control/aliases")
+    async def table(self, *, log: bool = True) -> AliasTable:
+        """The alias table; ``log=False`` leaves the flip log out (what a publication needs)."""
+        params = None if log else {"log": "false"}
+        r = await self._call("GET", "/v1/control/aliases", params=params)
         return AliasTable.model_validate_json(r.content)
 
     async def set_alias(
