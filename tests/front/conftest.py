@@ -59,19 +59,22 @@ def serve_front() -> Iterator[Callable[[FrontConfig], str]]:
 
 @pytest.fixture
 def front_fleet(launcher, make_fleet, tmp_path, serve_front) -> Callable[..., RunningFront]:
-    """``front_fleet(**cfg)``: a 2-replica fleet whose agents allow ``tmp_path/shared``, and a
-    front over it (``FrontConfig`` fields override the defaults)."""
+    """``front_fleet(router_api_key=None, **cfg)``: a 2-replica fleet whose agents allow
+    ``tmp_path/shared``, and a front over it (``FrontConfig`` fields override the defaults)."""
     shared = tmp_path / "shared"
     shared.mkdir()
 
-    def start(**overrides) -> RunningFront:
-        fleet = make_fleet(launcher, 2, shared=shared)
+    def start(*, router_api_key: str | None = None, **overrides) -> RunningFront:
+        fleet = make_fleet(launcher, 2, shared=shared, router=router_api_key is None)
+        if router_api_key is not None:
+            fleet.router = fleet.start_router(api_key=router_api_key, state_dir=tmp_path / "r")
         assert fleet.router is not None
         kwargs = {
             "agents": fleet.agent_urls,
             "router": fleet.router.url,
             "shared_dirs": [shared],
             "fleet_token": fleet.token,
+            "api_key": router_api_key,
             **overrides,
         }
         cfg = FrontConfig(**kwargs)
