@@ -92,7 +92,11 @@ class Front:
             token=cfg.fleet_token,
             shared_dir=self.shared_dirs[0] / HANDOVER_DIR,
         )
-        self.http = async_client(timeout=httpx.Timeout(None, connect=5.0))
+        # No read timeout (generations are long); rollout workers keep hundreds in flight.
+        self.http = async_client(
+            timeout=httpx.Timeout(None, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
+        )
         self.router = AsyncRouterClient(cfg.router, cfg.fleet_token, client=self.http)
         self.router_url = cfg.router.rstrip("/")
         self.paused = False
@@ -357,7 +361,9 @@ class Front:
         tn = self.names.parse(model)
         if tn.version is None:
             return None
-        if tn.name not in await self.aliases() and tn.name not in await self.aliases(0.0):
+        # A name loaded a moment ago through another front is found by the second, fresher look;
+        # a base model whose name merely fits the pattern costs at most one look per 0.2 s.
+        if tn.name not in await self.aliases() and tn.name not in await self.aliases(0.2):
             return None
         if (tn.name, tn.version) in self.retired:
             raise AdapterNotFound(f"The model `{model}` does not exist.", param="model")
