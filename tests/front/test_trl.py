@@ -128,6 +128,13 @@ def test_trl_sync_sequence_over_two_replicas(front_fleet, tiny_model):
     r = httpx.post(f"{front.url}/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v2"})
     assert r.status_code == 409, r.text
 
+    # Loading an older version again is a precise conflict, not a silent rollback.
+    r = httpx.post(
+        f"{front.url}/v1/load_lora_adapter",
+        json={"lora_name": "trl-policy-v1", "lora_path": str(a1), "load_inplace": False},
+    )
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "version_conflict"), r.text
+
     # Streaming keeps the trainer's name and lorafleet's tag.
     with httpx.stream(
         "POST",

@@ -87,6 +87,9 @@ def test_load_refuses_paths_outside_the_shared_dirs(tmp_path, serve_front):
     assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path")
     r = load(str(shared / ".lorafleet-handover"))
     assert r.status_code == 403
+    (shared / "empty").mkdir()
+    r = load(str(shared / "empty"))  # not an adapter: refused before the fleet is contacted
+    assert r.status_code in (400, 422) and r.json()["error"]["param"] in ("lora_path", None), r.text
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "p-v1"})
     assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_request")
     r = httpx.post(f"{url}/v1/load_lora_adapter", content=b"{not json")
