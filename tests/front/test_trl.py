@@ -147,6 +147,24 @@ def test_trl_sync_sequence_over_two_replicas(front_fleet, tiny_model):
     assert all(e.get("model") == "trl-policy-v2" for e in events if "model" in e)
     assert any(e.get("lorafleet", {}).get("version") == 2 for e in events)
 
+    # Chat, plain and streamed, under the pinned trainer name.
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(
+        f"{front.url}/v1/chat/completions",
+        json={"model": "trl-policy-v2", "messages": msgs, "max_tokens": 3},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "trl-policy-v2" and r.json()["lorafleet"]["version"] == 2
+    r = httpx.post(
+        f"{front.url}/v1/chat/completions",
+        json={"model": "trl-policy-v2", "messages": msgs, "max_tokens": 3, "stream": True},
+        timeout=60,
+    )
+    chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    assert chunks and all(c["model"] == "trl-policy-v2" for c in chunks)
+    assert chunks[-1]["lorafleet"]["version"] == 2
+
     # The base model's name passes through.
     base_id = httpx.get(f"{front.url}/v1/models").json()["data"][0]["id"]
     assert rollout(front.url, base_id, prompt_ids)["choices"][0]["token_ids"] == base
