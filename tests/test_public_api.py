@@ -15,7 +15,13 @@ import types
 
 import pytest
 
-PACKAGES = ["lorafleet", "lorafleet.publisher", "lorafleet.bundle", "lorafleet.errors"]
+PACKAGES = [
+    "lorafleet",
+    "lorafleet.publisher",
+    "lorafleet.bundle",
+    "lorafleet.errors",
+    "lorafleet.front",
+]
 
 
 def _public_names(module: types.ModuleType) -> list[str]:

@@ -8,6 +8,7 @@ from lorafleet.agent.cli import command as agent_command
 from lorafleet.bundle.cli import inspect_command
 from lorafleet.engine.cli import command as engine_command
 from lorafleet.fleet.cli import demo_command, status_command, up_command
+from lorafleet.front.cli import command as front_command
 from lorafleet.publisher.cli import command as publish_command
 from lorafleet.router.cli import command as router_command
 
@@ -37,6 +38,7 @@ for _cmd in (
     engine_command,
     publish_command,
     router_command,
+    front_command,
     up_command,
     status_command,
     demo_command,

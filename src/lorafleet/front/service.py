@@ -1,0 +1,386 @@
+"""The front's logic, without HTTP: loads become publications, unloads retire, names map.
+
+``Front`` owns one ``AsyncPublisher`` (shared-filesystem transfer, atomic, a retention window)
+and one HTTP client to the router and the engines. ``lorafleet.front.app`` is the HTTP glue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lorafleet._http import async_client
+from lorafleet._service import check_token
+from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.errors import (
+    AdapterNotFound,
+    BundleError,
+    Conflict,
+    EngineRejected,
+    EngineUnavailable,
+    Forbidden,
+    InvalidRequest,
+    PathNotAllowed,
+    PublishError,
+    ServiceError,
+    TransportError,
+)
+from lorafleet.front.names import DEFAULT_PATTERN, NameMap, TrainerName
+from lorafleet.protocol.agent import AgentInfo
+from lorafleet.protocol.router import AliasEntry
+from lorafleet.publisher import AsyncPublisher, PublishResult
+from lorafleet.router.client import AsyncRouterClient
+
+__all__ = ["Front", "FrontConfig", "Network"]
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+HANDOVER_DIR = ".lorafleet-handover"
+"""Under the first shared dir: where the Publisher hands files to the agents (then removes them)."""
+
+
+@dataclass
+class FrontConfig:
+    agents: list[str]
+    router: str
+    shared_dirs: list[Path]
+    fleet_token: str | None = None
+    """The agents' and the router's control token (the Publisher's)."""
+    api_key: str | None = None
+    """The router's inference key: sent on forwarded generation."""
+    trainer_token: str | None = None
+    """Bearer token trainers send on control calls (default: ``fleet_token``)."""
+    allow_unauthenticated_control: bool = False
+    control_allow_from: list[Network] = field(
+        default_factory=lambda: [
+            ipaddress.ip_network("127.0.0.1/32"),
+            ipaddress.ip_network("::1/128"),
+        ]
+    )
+    name_pattern: str = DEFAULT_PATTERN
+    keep_versions: int = 2
+    dtype: str | None = None
+    """What ``/server_info`` reports; None reads the base model's config.json when local."""
+    publish_timeout_s: float = 1800.0
+
+
+class Front:
+    """One vLLM server's behaviour over a fleet. Every method raises ``ServiceError`` only."""
+
+    def __init__(self, cfg: FrontConfig) -> None:
+        if not cfg.shared_dirs:
+            raise ValueError("the front needs at least one --shared-dir")
+        if cfg.keep_versions < 1:
+            raise ValueError("keep_versions is a positive count")
+        self.cfg = cfg
+        self.names = NameMap(cfg.name_pattern)
+        self.shared_dirs = [Path(os.path.realpath(d)) for d in cfg.shared_dirs]
+        self.trainer_token = cfg.trainer_token or cfg.fleet_token
+        self.publisher = AsyncPublisher(
+            cfg.agents,
+            router=cfg.router,
+            token=cfg.fleet_token,
+            shared_dir=self.shared_dirs[0] / HANDOVER_DIR,
+        )
+        # No read timeout (generations are long); rollout workers keep hundreds in flight.
+        self.http = async_client(
+            timeout=httpx.Timeout(None, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
+        )
+        self.router = AsyncRouterClient(cfg.router, cfg.fleet_token, client=self.http)
+        self.router_url = cfg.router.rstrip("/")
+        self.paused = False
+        # What trainers loaded, under their own names: (name, version) -> (lora_name, lora_path).
+        self.loaded: dict[tuple[str, int], tuple[str, str]] = {}
+        # Versions a trainer unloaded that are still in the router's window: refused here.
+        self.retired: set[tuple[str, int]] = set()
+        self._aliases: dict[str, AliasEntry] = {}
+        self._aliases_at = 0.0
+        self._base: dict[str, Any] | None = None
+        self._infos: list[AgentInfo] | None = None
+
+    async def aclose(self) -> None:
+        await self.publisher.aclose()
+        await self.http.aclose()
+
+    # -- auth -------------------------------------------------------------------------------------
+    def check_control(self, authorization: str | None, client_host: str | None) -> None:
+        """Admit a control call: a valid Bearer token, or (only when the operator allowed it) no
+        token from an allow-listed address. Raises ``Unauthorized`` / ``Forbidden``."""
+        if authorization or not self.cfg.allow_unauthenticated_control:
+            if self.trainer_token is None:
+                raise Forbidden(
+                    "this front accepts no control token (none configured); control calls are "
+                    "accepted without one, from allow-listed addresses only"
+                )
+            check_token(authorization, self.trainer_token)
+            return
+        if not self._allowed(client_host):
+            raise Forbidden(
+                f"control calls without a token are accepted only from "
+                f"{', '.join(map(str, self.cfg.control_allow_from))}; {client_host} is not "
+                "allow-listed: send 'Authorization: Bearer <token>'"
+            )
+
+    def _allowed(self, host: str | None) -> bool:
+        if not host:
+            return False
+        try:
+            ip = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in net for net in self.cfg.control_allow_from)
+
+    # -- fleet facts ------------------------------------------------------------------------------
+    async def agent_infos(self) -> list[AgentInfo]:
+        if self._infos is None:
+            clients = [
+                AsyncAgentClient(u, self.cfg.fleet_token, client=self.http) for u in self.cfg.agents
+            ]
+            with _unavailable("agents"):
+                self._infos = list(await asyncio.gather(*(c.info() for c in clients)))
+        return self._infos
+
+    async def base_model(self) -> dict[str, Any]:
+        """The base model's card as one engine reports it (id, root, max_model_len)."""
+        if self._base is None:
+            infos = await self.agent_infos()
+            url = infos[0].engine_url.rstrip("/") + "/v1/models"
+            with _unavailable(url):
+                r = await self.http.get(url, timeout=10.0)
+            if r.status_code != 200:
+                raise EngineUnavailable(f"{url} answered {r.status_code}")
+            card = dict(r.json()["data"][0])
+            card.setdefault("root", infos[0].base_model)
+            self._base = card
+        return self._base
+
+    async def aliases(self, max_age_s: float = 1.0) -> dict[str, AliasEntry]:
+        """The router's alias table, at most ``max_age_s`` old."""
+        if time.monotonic() - self._aliases_at > max_age_s:
+            with _unavailable(self.router_url):
+                table = await self.router.table()
+            self._aliases, self._aliases_at = dict(table.aliases), time.monotonic()
+        return self._aliases
+
+    def _dtype(self, root: str | None) -> str:
+        if self.cfg.dtype:
+            return self.cfg.dtype
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            config = json.loads((Path(str(root)) / "config.json").read_text())
+            dtype = config.get("dtype") or config.get("torch_dtype")
+            if dtype:
+                return dtype if str(dtype).startswith("torch.") else f"torch.{dtype}"
+        return "auto"
+
+    async def models(self) -> dict:
+        """``/v1/models`` as one vLLM server lists it: the base model, then every loaded adapter."""
+        base = await self.base_model()
+        now = int(time.time())
+        data = [
+            {
+                "id": base["id"],
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": base.get("root"),
+                "parent": None,
+                "max_model_len": base.get("max_model_len"),
+            }
+        ]
+        for name, entry in sorted((await self.aliases(0.0)).items()):
+            for rv in entry.window():
+                if (name, rv.version) in self.retired:
+                    continue
+                lora_name, path = self.loaded.get((name, rv.version), (name, rv.engine_name))
+                if lora_name == name and rv.version != entry.version:
+                    continue  # an unversioned name lists its newest version only
+                data.append(
+                    {
+                        "id": lora_name,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "vllm",
+                        "root": path,
+                        "parent": base["id"],
+                        "max_model_len": None,
+                        "lorafleet": {"adapter": name, "version": rv.version},
+                    }
+                )
+        return {"object": "list", "data": data}
+
+    async def server_info(self) -> dict:
+        """``/server_info?config_format=json``: the fields trainers read, as one server has them.
+
+        ``max_loras`` is the smallest engine's slot count, capped at ``keep_versions + 1``: TRL
+        requires ``max_loras >= max_staleness + 2``, which then holds exactly when its staleness
+        fits the front's retention window.
+        """
+        infos = await self.agent_infos()
+        base = await self.base_model()
+        ranks = [i.capabilities.max_lora_rank for i in infos if i.capabilities.max_lora_rank]
+        slots = [i.capabilities.max_adapters for i in infos if i.capabilities.max_adapters]
+        max_loras = min([*slots, self.cfg.keep_versions + 1])
+        return {
+            "vllm_config": {
+                "model_config": {
+                    "model": base.get("root"),
+                    "served_model_name": base["id"],
+                    "dtype": self._dtype(base.get("root")),
+                    "max_model_len": base.get("max_model_len"),
+                },
+                "lora_config": {
+                    "max_lora_rank": min(ranks) if ranks else 16,
+                    "max_loras": max_loras,
+                    "max_cpu_loras": max_loras,
+                    "fully_sharded_loras": False,
+                    "lora_dtype": "auto",
+                },
+                "parallel_config": {
+                    "data_parallel_size": 1,
+                    "tensor_parallel_size": 1,
+                    "pipeline_parallel_size": 1,
+                    "world_size": 1,
+                },
+                "lorafleet": {
+                    "replicas": len(infos),
+                    "router": self.router_url,
+                    "keep_versions": self.cfg.keep_versions,
+                },
+            }
+        }
+
+    # -- control ----------------------------------------------------------------------------------
+    def _check_path(self, lora_path: str) -> Path:
+        """The adapter directory, resolved, if it lies under an allow-listed shared dir.
+        Raises ``PathNotAllowed`` (403) outside them, ``InvalidRequest`` if it is no directory."""
+        real = Path(os.path.realpath(lora_path))
+        if not any(real == d or real.is_relative_to(d) for d in self.shared_dirs):
+            raise PathNotAllowed(
+                f"lora_path {lora_path!r} is not under a shared directory of this front "
+                f"({', '.join(map(str, self.shared_dirs))})",
+                param="lora_path",
+            )
+        if real.is_relative_to(self.shared_dirs[0] / HANDOVER_DIR):
+            raise PathNotAllowed(f"lora_path {lora_path!r} is the front's own hand-over area")
+        if not real.is_dir():
+            raise InvalidRequest(f"lora_path {lora_path!r} is not a directory", param="lora_path")
+        return real
+
+    async def load(self, lora_name: str, lora_path: str) -> PublishResult:
+        """Publish the adapter at ``lora_path`` to every replica (atomic, verified).
+
+        Raises ``PathNotAllowed``, ``InvalidRequest`` (unreadable adapter), ``AdapterInvalid``,
+        ``VersionConflict`` (the version is not newer than the name's active one),
+        ``PublishInProgress``, ``EngineRejected`` (a replica failed; nothing changed) or
+        ``EngineUnavailable``.
+        """
+        path = self._check_path(lora_path)
+        tn = self.names.parse(lora_name)
+        try:
+            result = await self.publisher.apublish(
+                path,
+                name=tn.name,
+                version=tn.version,
+                transfer="shared_filesystem",
+                mode="atomic",
+                keep_versions=self.cfg.keep_versions,
+            )
+        except ServiceError:
+            raise
+        except PublishError as exc:
+            raise EngineRejected(
+                f"publishing {lora_name!r} failed; nothing changed: {exc}"
+            ) from exc
+        except BundleError as exc:
+            raise InvalidRequest(
+                f"cannot read the adapter at {lora_path!r}: {exc}", param="lora_path"
+            ) from exc
+        except TransportError as exc:
+            raise EngineUnavailable(f"publishing {lora_name!r}: {exc}") from exc
+        except (ValueError, OSError) as exc:
+            raise InvalidRequest(f"cannot publish {lora_name!r}: {exc}", param="lora_path") from exc
+        self.loaded[(tn.name, result.version)] = (lora_name, str(path))
+        self._aliases_at = 0.0
+        return result
+
+    async def unload(self, lora_name: str) -> str:
+        """Retire what ``lora_name`` names. Returns what was done, in words.
+
+        A version still in the router's window is refused here from now on and released by the
+        agents when it leaves the window (at a later load); the newest version cannot be retired
+        (``Conflict``: the name would have nothing to serve). Unknown names: ``AdapterNotFound``.
+        """
+        tn = self.names.parse(lora_name)
+        entry = (await self.aliases(0.0)).get(tn.name)
+        if tn.version is None:
+            if entry is None:
+                raise AdapterNotFound(f"The lora adapter '{lora_name}' cannot be found.")
+            raise Conflict(
+                f"{lora_name!r} is served by its newest version; lorafleet keeps it until a newer "
+                "one is loaded (unload a versioned name instead)",
+                code="version_conflict",
+                param="lora_name",
+            )
+        known = (tn.name, tn.version) in self.loaded
+        window = [v.version for v in entry.window()] if entry else []
+        if tn.version not in window:
+            if known or (entry is not None and tn.version < entry.version):
+                self.retired.discard((tn.name, tn.version))
+                return f"{lora_name!r} already left the retention window; its replicas release it"
+            raise AdapterNotFound(f"The lora adapter '{lora_name}' cannot be found.")
+        assert entry is not None
+        if tn.version == entry.version:
+            raise Conflict(
+                f"{lora_name!r} is the newest version of {tn.name!r}; load a newer one first",
+                code="version_conflict",
+                param="lora_name",
+            )
+        self.retired.add((tn.name, tn.version))
+        return f"{lora_name!r} is no longer served; replicas release it when it leaves the window"
+
+    # -- generation -------------------------------------------------------------------------------
+    async def route_model(self, model: object) -> str | None:
+        """The router's ``model`` for a trainer's: ``trl-policy-v7`` -> ``trl-policy@v7`` when
+        ``trl-policy`` is a published name; anything else unchanged. Raises ``AdapterNotFound``
+        for a version a trainer unloaded."""
+        if not isinstance(model, str):
+            return None
+        tn = self.names.parse(model)
+        if tn.version is None:
+            return None
+        # A name loaded a moment ago through another front is found by the second, fresher look;
+        # a base model whose name merely fits the pattern costs at most one look per 0.2 s.
+        if tn.name not in await self.aliases() and tn.name not in await self.aliases(0.2):
+            return None
+        if (tn.name, tn.version) in self.retired:
+            raise AdapterNotFound(f"The model `{model}` does not exist.", param="model")
+        return NameMap.router_model(TrainerName(tn.name, tn.version))
+
+
+@contextlib.contextmanager
+def _unavailable(what: str):
+    """Transport failures toward the fleet become 503 ``engine_unavailable``."""
+    try:
+        yield
+    except TransportError as exc:
+        raise EngineUnavailable(f"{what} unreachable: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"{what} unreachable: {exc}") from exc
+
+
+def parse_networks(specs: Sequence[str]) -> list[Network]:
+    """``["127.0.0.1", "10.0.0.0/8"]`` -> networks. Raises ``ValueError``."""
+    return [ipaddress.ip_network(s.strip(), strict=False) for s in specs if s.strip()]

@@ -1,0 +1,107 @@
+"""The front without a fleet: name mapping, control auth, path allow-list, bad input."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import httpx
+import pytest
+
+from lorafleet.front import NameMap, TrainerName
+from lorafleet.front.service import FrontConfig
+
+DEAD = "http://127.0.0.1:9"  # nothing listens: any call to the fleet would fail loudly
+
+
+def test_name_map_default():
+    m = NameMap()
+    assert m.parse("trl-policy-v7") == TrainerName("trl-policy", 7)
+    assert m.parse("a-b-v12") == TrainerName("a-b", 12)
+    assert m.parse("policy") == TrainerName("policy", None)
+    assert m.parse("policy-v0") == TrainerName("policy-v0", None)
+    assert m.parse("-v3") == TrainerName("-v3", None)
+    assert NameMap.router_model(TrainerName("trl-policy", 7)) == "trl-policy@v7"
+
+
+def test_name_map_custom_and_invalid():
+    assert NameMap(r"^(?P<name>.+)_step(?P<version>\d+)$").parse("p_step4") == TrainerName("p", 4)
+    with pytest.raises(ValueError, match="groups"):
+        NameMap(r"^(?P<name>.+)$")
+    with pytest.raises(ValueError, match="compile"):
+        NameMap(r"(")
+
+
+def cfg(tmp_path, **kw) -> FrontConfig:
+    return FrontConfig(agents=[DEAD], router=DEAD, shared_dirs=[tmp_path], **kw)
+
+
+def test_control_needs_a_token_by_default(tmp_path, serve_front):
+    url = serve_front(cfg(tmp_path, trainer_token="t"))
+    r = httpx.post(f"{url}/pause", params={"mode": "keep"})
+    assert (r.status_code, r.json()["error"]["code"]) == (401, "unauthorized")
+    assert r.headers["X-Lorafleet-Error-Code"] == "unauthorized"
+    r = httpx.post(f"{url}/resume", headers={"Authorization": "Bearer nope"})
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "forbidden")
+    r = httpx.post(f"{url}/pause", params={"mode": "keep"}, headers={"Authorization": "Bearer t"})
+    assert r.status_code == 200 and r.json()["status"] == "paused"
+    assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_tokenless_control_only_from_allow_listed_addresses(tmp_path, serve_front):
+    url = serve_front(cfg(tmp_path, allow_unauthenticated_control=True))
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
+    assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
+    r = httpx.post(f"{url}/pause", params={"mode": "sideways"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "mode")
+
+    elsewhere = [ipaddress.ip_network("10.0.0.0/8")]
+    url = serve_front(
+        cfg(tmp_path, allow_unauthenticated_control=True, control_allow_from=elsewhere)
+    )
+    r = httpx.post(f"{url}/resume")
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "forbidden")
+    assert "allow-listed" in r.json()["error"]["message"]
+
+
+def test_load_refuses_paths_outside_the_shared_dirs(tmp_path, serve_front):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "private").mkdir()
+    url = serve_front(
+        FrontConfig(
+            agents=[DEAD], router=DEAD, shared_dirs=[shared], allow_unauthenticated_control=True
+        )
+    )
+
+    def load(path: str, name: str = "p-v1") -> httpx.Response:
+        body = {"lora_name": name, "lora_path": path}
+        return httpx.post(f"{url}/v1/load_lora_adapter", json=body)
+
+    for path in (str(tmp_path / "private"), str(shared / ".." / "private"), "/etc"):
+        r = load(path)
+        assert (r.status_code, r.json()["error"]["code"]) == (403, "path_not_allowed"), path
+    (shared / "link").symlink_to(tmp_path / "private")
+    assert load(str(shared / "link")).status_code == 403
+    r = load(str(shared / "missing"))
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path")
+    r = load(str(shared / ".lorafleet-handover"))
+    assert r.status_code == 403
+    (shared / "empty").mkdir()
+    r = load(str(shared / "empty"))  # not an adapter: refused before the fleet is contacted
+    assert r.status_code in (400, 422) and r.json()["error"]["param"] in ("lora_path", None), r.text
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "p-v1"})
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_request")
+    r = httpx.post(f"{url}/v1/load_lora_adapter", content=b"{not json")
+    assert r.status_code == 400
+
+
+def test_fleet_unreachable_is_503_not_500(tmp_path, serve_front):
+    url = serve_front(cfg(tmp_path, allow_unauthenticated_control=True))
+    for r in (
+        httpx.get(f"{url}/v1/models"),
+        httpx.get(f"{url}/server_info", params={"config_format": "json"}),
+        httpx.post(f"{url}/v1/completions", json={"model": "p-v1", "prompt": "a"}),
+        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "p-v1"}),
+    ):
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_unavailable"), r.text
