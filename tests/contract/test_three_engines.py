@@ -32,6 +32,7 @@ from lorafleet.testing import (
     start_agent,
     start_reference_engine,
     start_router,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -308,3 +309,44 @@ def test_rollback_when_one_replica_refuses_the_rank(
     finally:
         for v in (1, 2):
             engine.unload(f"{name}@v{v}")
+
+
+def test_engine_restart_brings_the_adapter_back(
+    engine, request, launcher, tiny_model, tmp_path, adapters, merged
+):
+    """The engine dies and comes back empty (a real engine forgets runtime adapters): the agent
+    loads the active version again by itself and the router serves it, with nobody publishing.
+    Runs last in this file: it restarts the session's shared server (same port, same flags)."""
+    token = secrets.token_urlsafe(12)
+    agent = start_agent(
+        launcher,
+        engine.server,
+        tmp_path / "agent",
+        kind=engine.kind,
+        token=token,
+        max_lora_rank=engine.max_lora_rank,
+    )
+    router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
+    name = f"restart-{secrets.token_hex(3)}"
+    try:
+        with Publisher([agent.url], router=router.url, token=token) as pub:
+            pub.publish(str(adapters["a"]), name=name)
+        assert_serves(engine, router, name, f"{name}@v1", 1, merged["a"], tiny_model)
+
+        before = engine.server.proc.pid
+        request.getfixturevalue("session_launcher").restart(engine.server)
+        assert engine.server.proc.pid != before  # a new process: runtime adapters are gone
+
+        def served_again() -> bool:
+            r = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": name, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                      "temperature": 0, "return_token_ids": True},
+                timeout=60,
+            )  # fmt: skip
+            return r.status_code == 200 and r.json()["choices"][0]["token_ids"] == merged["a"]
+
+        wait_until(served_again, timeout=180, message="the agent reloaded the adapter")
+        assert_serves(engine, router, name, f"{name}@v1", 1, merged["a"], tiny_model)
+    finally:
+        engine.unload(f"{name}@v1")
