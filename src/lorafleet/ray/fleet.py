@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -36,6 +35,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+import ray
 from lorafleet.fleet.state import FleetInfo, ReplicaInfo, write_fleet_file
 from lorafleet.launch import (
     AgentSpec,
@@ -162,16 +162,16 @@ class RayFleet:
                 out[name] = None
         return out
 
-    def info(self) -> FleetInfo:
+    def info(self, data_dir: str | None = None, pid: int | None = None) -> FleetInfo:
         """The fleet as ``fleet.json`` records it (``lorafleet status`` reads that)."""
         servers = self.servers()
 
-        def pid(name: str | None) -> int | None:
+        def pid_of(name: str | None) -> int | None:
             got = servers.get(name) if name else None
             return got["pid"] if got else None
 
         return FleetInfo(
-            data_dir=f"ray://{self.namespace}",
+            data_dir=data_dir or f"ray://{self.namespace}",
             router_url=self.router_url,
             control_token=self.token,
             api_key=self.api_key,
@@ -182,13 +182,13 @@ class RayFleet:
                     engine=r.engine,
                     engine_url=r.engine_url,
                     agent_url=r.agent_url,
-                    agent_pid=pid(r.agent_actor),
-                    engine_pid=pid(r.engine_actor),
+                    agent_pid=pid_of(r.agent_actor),
+                    engine_pid=pid_of(r.engine_actor),
                 )
                 for r in self.replicas
             ],
-            pid=None,
-            router_pid=pid(_ROUTER),
+            pid=pid,
+            router_pid=pid_of(_ROUTER),
             started_at=self.started_at,
         )
 
@@ -198,10 +198,11 @@ class RayFleet:
 
         return collect_status(self.info())
 
-    def write_fleet_file(self, data_dir: str | Path) -> Path:
-        """Write ``fleet.json`` so ``lorafleet status`` and ``publish --fleet`` find this fleet."""
-        Path(data_dir).mkdir(parents=True, exist_ok=True)
-        return write_fleet_file(self.info(), Path(data_dir))
+    def write_fleet_file(self, data_dir: str | Path, pid: int | None = None) -> Path:
+        """Write ``fleet.json`` so ``lorafleet status`` and ``publish --fleet`` find this fleet
+        (``pid``: the process that owns it, e.g. ``lorafleet up --ray``)."""
+        d = Path(data_dir).absolute()
+        return write_fleet_file(self.info(str(d), pid), d)
 
     def shutdown(self) -> None:
         """Stop the router, the agents and the engines lorafleet runs (never attached engines),
