@@ -12,7 +12,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # torch first and pinned: anything unpinned would pull a multi-GB CUDA build.
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[engine,dev,bench,front-test]"
+  .venv/bin/pip install -q -e ".[engine,dev,bench,front-test,ray]"
   touch "$stamp"
 fi
 # The tiny model is generated (never downloaded) into a content-keyed cache.

@@ -20,7 +20,9 @@ from lorafleet.fleet.config import DEFAULT_DATA_DIR
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from lorafleet.fleet.config import FleetConfig
     from lorafleet.fleet.local import LocalFleet
+    from lorafleet.ray import RayFleet
 
 __all__ = ["demo_command", "status_command", "up_command"]
 
@@ -48,11 +50,37 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
     default=None,
     help="Reference engines in the embedded default fleet [default: 2].",
 )
-def up_command(fleet_file: str | None, data_dir: str | None, engines: int | None) -> None:
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    help="Deploy onto a Ray cluster instead (needs lorafleet[ray]): a replica per node.",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="With --ray: the cluster to connect to [default: auto, the local one].",
+)
+@click.option(
+    "--namespace",
+    default="lorafleet",
+    show_default=True,
+    help="With --ray: the Ray namespace the fleet's actors are named in.",
+)
+def up_command(
+    fleet_file: str | None,
+    data_dir: str | None,
+    engines: int | None,
+    on_ray: bool,
+    address: str | None,
+    namespace: str,
+) -> None:
     """Start a local fleet (engines, one agent each, a router) and keep it up until Ctrl-C.
 
     With no FLEET_FILE: reference engines on the tiny model. A FLEET_FILE (TOML) can instead put
-    agents in front of running vLLM or SGLang servers; see ``lorafleet.fleet.config``.
+    agents in front of running vLLM or SGLang servers; see ``lorafleet.fleet.config``. With
+    --ray the fleet runs on a Ray cluster (reference engines only from the command line; attach
+    to a trainer's engines with ``lorafleet.ray.attach_engines``).
     """
     from rich.console import Console
 
@@ -66,6 +94,11 @@ def up_command(fleet_file: str | None, data_dir: str | None, engines: int | None
         raise click.UsageError(str(exc)) from exc
 
     console = Console()
+    if on_ray:
+        _up_on_ray(console, config, address, namespace)
+        return
+    if address is not None:
+        raise click.UsageError("--address needs --ray")
     fleet = LocalFleet(config, on_event=lambda m: console.print(f"[dim]{m}[/dim]"))
     # Ctrl-C and SIGTERM both unwind through the same path; children run in their own sessions,
     # so only this process receives the terminal's SIGINT and it stops them in order.
@@ -89,6 +122,83 @@ def up_command(fleet_file: str | None, data_dir: str | None, engines: int | None
         for s, handler in previous.items():
             signal.signal(s, handler)
     console.print("fleet stopped")
+
+
+def _up_on_ray(console: Console, config: FleetConfig, address: str | None, namespace: str) -> None:
+    """``lorafleet up --ray``: deploy, write fleet.json, wait for Ctrl-C, shut the fleet down."""
+    import os
+
+    try:
+        import ray
+        from lorafleet.ray import deploy
+    except ImportError as exc:
+        raise click.ClickException("--ray needs Ray: pip install 'lorafleet[ray]'") from exc
+    if any(not r.managed_engine for r in config.replicas):
+        raise click.UsageError(
+            "--ray starts reference engines; attach agents to running engines on Ray with "
+            "lorafleet.ray.attach_engines"
+        )
+    first = config.replicas[0]
+    ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
+    console.print(f"[dim]deploying {len(config.replicas)} replicas on Ray ({namespace})[/dim]")
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    fleet = None
+    data_dir = Path(config.data_dir).absolute()
+    try:
+        fleet = deploy(
+            len(config.replicas),
+            model=config.model,
+            engine_args={
+                "served_model_name": config.served_model_name,
+                "max_loras": first.max_loras,
+                "max_lora_rank": first.max_lora_rank,
+            },
+            namespace=namespace,
+            token=config.control_token,
+            api_key=config.api_key,
+        )
+        path = fleet.write_fleet_file(data_dir, pid=os.getpid())
+        _print_ray_banner(console, fleet, path)
+        while True:
+            time.sleep(1.0)  # the signal handler raises _Stop out of here
+    except _Stop as stop:
+        console.print(f"\n{stop}: stopping the fleet…")
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        if fleet is not None:
+            fleet.shutdown()
+            from lorafleet.fleet.state import remove_fleet_file
+
+            remove_fleet_file(data_dir, owner_pid=os.getpid())
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    console.print("fleet stopped")
+
+
+def _print_ray_banner(console: Console, fleet: RayFleet, path: Path) -> None:
+    from rich.table import Table
+
+    t = Table(title="lorafleet is up on Ray", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    t.add_row("router (OpenAI API)", fleet.router_url + "/v1")
+    t.add_row("inference API key", fleet.api_key or "(none)")
+    t.add_row("control token", fleet.token)
+    for r in fleet.replicas:
+        t.add_row(
+            f"replica {r.index}",
+            f"agent {r.agent_url}  →  engine {r.engine_url}  (node {r.node_id[:12]})",
+        )
+    t.add_row("namespace", f"{fleet.namespace} (lorafleet.ray.attach finds it)")
+    t.add_row("fleet file", f"{path} (0600)")
+    console.print(t)
+    console.print(
+        f"publish with [bold]lorafleet publish --fleet {path.parent} ...[/bold]; inspect with "
+        f"[bold]lorafleet status --data-dir {path.parent}[/bold]; Ctrl-C stops everything."
+    )
 
 
 def _print_banner(console: Console, fleet: LocalFleet, path: Path) -> None:

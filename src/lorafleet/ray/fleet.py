@@ -1,0 +1,519 @@
+"""``RayFleet``: a lorafleet fleet on a Ray cluster, deployed or attached, found by namespace.
+
+What runs where:
+
+- per replica, one placement group (a ``STRICT_PACK`` bundle) holds the engine's actor and its
+  agent's actor, so they share a node; replicas are aimed at distinct nodes (round robin over
+  the cluster's alive nodes, a soft target: a full node does not block the deployment);
+- each actor is a ``ServerActor``: it launches its server (``lorafleet engine|agent|router`` or a
+  real vLLM/SGLang server) as a subprocess with the ``lorafleet.launch`` specs, listening on the
+  node's address;
+- one router actor anywhere; one small ``FleetRecord`` actor remembers the fleet (URLs, tokens,
+  actor names), so ``attach(namespace)`` needs no URL list.
+
+Every actor is named in the fleet's namespace and restarted by Ray when its process dies
+(``max_restarts``); a restarted actor takes its server's port again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+import ray
+from lorafleet.fleet.state import FleetInfo, ReplicaInfo, write_fleet_file
+from lorafleet.launch import (
+    AgentSpec,
+    ReferenceEngineSpec,
+    RouterSpec,
+    ServerSpec,
+    SGLangSpec,
+    VLLMSpec,
+)
+from lorafleet.publisher import Publisher
+from lorafleet.ray._actors import FleetRecord, ServerActor
+
+__all__ = ["EngineOnRay", "RayFleet", "attach", "attach_engines", "deploy"]
+
+DEFAULT_NAMESPACE = "lorafleet"
+DEFAULT_WORKDIR = "/tmp/lorafleet-ray"
+_RECORD = "lorafleet-fleet"
+_ROUTER = "lorafleet-router"
+_ENGINE_SPECS: dict[str, type[ServerSpec]] = {
+    "reference": ReferenceEngineSpec,
+    "vllm": VLLMSpec,
+    "sglang": SGLangSpec,
+}
+
+_ServerActor = ray.remote(ServerActor)
+_FleetRecord = ray.remote(FleetRecord)
+
+
+@dataclass(frozen=True)
+class EngineOnRay:
+    """An engine a trainer already runs on the cluster: its URL (reachable from its node) and the
+    Ray node id it runs on (``ray.get_runtime_context().get_node_id()`` in its actor)."""
+
+    url: str
+    node_id: str
+    engine: str = "vllm"
+    """Backend kind for the agent: vllm, sglang or reference."""
+
+
+@dataclass
+class RayReplica:
+    index: int
+    engine: str
+    engine_url: str
+    agent_url: str
+    node_id: str
+    agent_actor: str
+    engine_actor: str | None = None
+    """None: an engine lorafleet attached to, not one it runs."""
+
+
+@dataclass
+class RayFleet:
+    """A fleet on Ray. Get one from ``deploy``, ``attach_engines`` or ``attach(namespace)``."""
+
+    namespace: str
+    router_url: str
+    token: str
+    api_key: str | None
+    served_model_name: str
+    model: str | None
+    replicas: list[RayReplica]
+    placement_groups: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+
+    # -- finding it again ------------------------------------------------------------------
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "router_url": self.router_url,
+            "token": self.token,
+            "api_key": self.api_key,
+            "served_model_name": self.served_model_name,
+            "model": self.model,
+            "replicas": [vars(r).copy() for r in self.replicas],
+            "placement_groups": list(self.placement_groups),
+            "started_at": self.started_at,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> RayFleet:
+        fields = dict(record)
+        fields["replicas"] = [RayReplica(**r) for r in record["replicas"]]
+        return cls(**fields)
+
+    # -- using it --------------------------------------------------------------------------
+    @property
+    def agent_urls(self) -> list[str]:
+        return [r.agent_url for r in self.replicas]
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [r.engine_url for r in self.replicas]
+
+    def publisher(self, **kwargs: Any) -> Publisher:
+        """A ``Publisher`` over this fleet's agents and its router (``kwargs`` go to it)."""
+        return Publisher(self.agent_urls, router=self.router_url, token=self.token, **kwargs)
+
+    def actor(self, name: str) -> Any:
+        return ray.get_actor(name, namespace=self.namespace)
+
+    def agent_actor(self, index: int) -> Any:
+        return self.actor(self.replicas[index].agent_actor)
+
+    def engine_actor(self, index: int) -> Any:
+        name = self.replicas[index].engine_actor
+        if name is None:
+            raise ValueError(f"replica {index}'s engine is not run by lorafleet (attached)")
+        return self.actor(name)
+
+    def router_actor(self) -> Any:
+        return self.actor(_ROUTER)
+
+    def servers(self, timeout: float = 10.0) -> dict[str, dict[str, Any] | None]:
+        """Each actor's ``info()`` by actor name (None: the actor does not answer)."""
+        names = [_ROUTER]
+        for r in self.replicas:
+            names += [n for n in (r.agent_actor, r.engine_actor) if n is not None]
+        out: dict[str, dict[str, Any] | None] = {}
+        for name in names:
+            try:
+                out[name] = ray.get(self.actor(name).info.remote(), timeout=timeout)
+            except Exception:  # dead, restarting or gone: reported as None
+                out[name] = None
+        return out
+
+    def info(self, data_dir: str | None = None, pid: int | None = None) -> FleetInfo:
+        """The fleet as ``fleet.json`` records it (``lorafleet status`` reads that)."""
+        servers = self.servers()
+
+        def pid_of(name: str | None) -> int | None:
+            got = servers.get(name) if name else None
+            return got["pid"] if got else None
+
+        return FleetInfo(
+            data_dir=data_dir or f"ray://{self.namespace}",
+            router_url=self.router_url,
+            control_token=self.token,
+            api_key=self.api_key,
+            model=str(self.model),
+            served_model_name=self.served_model_name,
+            replicas=[
+                ReplicaInfo(
+                    engine=r.engine,
+                    engine_url=r.engine_url,
+                    agent_url=r.agent_url,
+                    agent_pid=pid_of(r.agent_actor),
+                    engine_pid=pid_of(r.engine_actor),
+                )
+                for r in self.replicas
+            ],
+            pid=pid,
+            router_pid=pid_of(_ROUTER),
+            started_at=self.started_at,
+        )
+
+    def status(self):
+        """The router's and every agent's view (``lorafleet.fleet.status.FleetStatus``)."""
+        from lorafleet.fleet.status import collect_status
+
+        return collect_status(self.info())
+
+    def write_fleet_file(self, data_dir: str | Path, pid: int | None = None) -> Path:
+        """Write ``fleet.json`` so ``lorafleet status`` and ``publish --fleet`` find this fleet
+        (``pid``: the process that owns it, e.g. ``lorafleet up --ray``)."""
+        d = Path(data_dir).absolute()
+        return write_fleet_file(self.info(str(d), pid), d)
+
+    def shutdown(self) -> None:
+        """Stop the router, the agents and the engines lorafleet runs (never attached engines),
+        remove the placement groups and forget the fleet. Idempotent."""
+        names = [_ROUTER]
+        names += [r.agent_actor for r in self.replicas]
+        names += [r.engine_actor for r in self.replicas if r.engine_actor]
+        _kill_actors(names, self.namespace)
+        _kill_actors([_RECORD], self.namespace, stop=False)
+        for pg_name in self.placement_groups:
+            with contextlib.suppress(ValueError):
+                remove_placement_group(ray.util.get_placement_group(pg_name))
+
+
+def attach(namespace: str = DEFAULT_NAMESPACE) -> RayFleet:
+    """The fleet deployed (or attached) in ``namespace``, found through its named actors.
+
+    Raises ``LookupError`` when no fleet runs there.
+    """
+    try:
+        record = ray.get_actor(_RECORD, namespace=namespace)
+    except ValueError as exc:
+        raise LookupError(f"no lorafleet fleet in Ray namespace {namespace!r}") from exc
+    return RayFleet.from_record(ray.get(record.get.remote()))
+
+
+def deploy(
+    n_replicas: int = 2,
+    *,
+    engine: str = "reference",
+    model: str | Path | None = None,
+    engine_args: Mapping[str, Any] | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    engine_cpus: float = 1.0,
+    engine_gpus: float = 0.0,
+    engine_resources: Mapping[str, float] | None = None,
+    agent_cpus: float = 0.25,
+    router_cpus: float = 0.25,
+    token: str | None = None,
+    api_key: str | None = None,
+    workdir: str = DEFAULT_WORKDIR,
+    bind: str = "node",
+    spread: bool = True,
+    max_restarts: int = 3,
+    detached: bool = True,
+    router_args: Mapping[str, Any] | None = None,
+    pg_timeout: float = 120.0,
+) -> RayFleet:
+    """Deploy ``n_replicas`` engines, an agent beside each and a router onto the Ray cluster this
+    process is connected to (``ray.init`` first). See the module docstring for the placement.
+
+    ``engine``: reference, vllm or sglang; ``engine_args`` go to its spec
+    (``lorafleet.launch.ReferenceEngineSpec``, ``VLLMSpec``, ``SGLangSpec``). ``model``: a path
+    valid on every node (required for vllm and sglang; the reference engine defaults to the tiny
+    model, generated on each node). ``token``/``api_key``: the control token of agents and
+    router and the router's inference key; None generates them (``api_key=""``: open data plane).
+    ``workdir``: on every node, logs, agent stores and router state under
+    ``workdir/namespace``. ``bind="node"``: servers listen on their node's Ray address.
+
+    Raises ``ValueError`` if ``namespace`` already holds a fleet; anything started is torn down
+    when a later step fails.
+    """
+    if engine not in _ENGINE_SPECS:
+        raise ValueError(f"engine must be one of {sorted(_ENGINE_SPECS)}, not {engine!r}")
+    if model is None and engine != "reference":
+        raise ValueError(f"a {engine} engine needs model= (a path valid on every node)")
+    _refuse_existing(namespace)
+    token = token or secrets.token_urlsafe(24)
+    api_key = secrets.token_urlsafe(24) if api_key is None else (api_key or None)
+    root = f"{workdir}/{namespace}"
+    served = str((engine_args or {}).get("served_model_name", "tiny"))
+    fleet = RayFleet(
+        namespace=namespace,
+        router_url="",
+        token=token,
+        api_key=api_key,
+        served_model_name=served,
+        model=str(model) if model is not None else None,
+        replicas=[],
+    )
+    try:
+        pgs = _placement_groups(
+            n_replicas,
+            namespace,
+            bundle={
+                "CPU": engine_cpus + agent_cpus,
+                **({"GPU": engine_gpus} if engine_gpus else {}),
+                **dict(engine_resources or {}),
+            },
+            spread=spread,
+        )
+        fleet.placement_groups = [pg_name for pg_name, _ in pgs]
+        ready = [pg.ready() for _, pg in pgs]
+        ray.get(ready, timeout=pg_timeout)
+        # Engines first (in parallel), then their agents, then the router.
+        spec_cls = _ENGINE_SPECS[engine]
+        engine_actors = []
+        for i, (_, pg) in enumerate(pgs):
+            args = dict(engine_args or {})
+            args.setdefault("name", f"engine-{i}")
+            spec = spec_cls(model=Path(model) if model is not None else Path(), **args)
+            name = f"lorafleet-engine-{i}"
+            actor = _ServerActor.options(
+                name=name,
+                namespace=namespace,
+                lifetime="detached" if detached else None,
+                num_cpus=engine_cpus,
+                num_gpus=engine_gpus,
+                resources=dict(engine_resources or {}),
+                max_restarts=max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+            ).remote(spec, f"{root}/replica-{i}", bind, tiny_model=model is None)
+            engine_actors.append((name, actor))
+        engines = ray.get([a.info.remote() for _, a in engine_actors])
+        agent_actors = []
+        for i, ((_, pg), eng) in enumerate(zip(pgs, engines, strict=True)):
+            spec = AgentSpec(
+                engine=engine,
+                engine_url=eng["url"],
+                data_dir=Path(f"{root}/replica-{i}/agent"),
+                token=token,
+                replica_id=f"replica-{i}",
+                name=f"agent-{i}",
+            )
+            name = f"lorafleet-agent-{i}"
+            actor = _ServerActor.options(
+                name=name,
+                namespace=namespace,
+                lifetime="detached" if detached else None,
+                num_cpus=agent_cpus,
+                max_restarts=max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+            ).remote(spec, f"{root}/replica-{i}", bind)
+            agent_actors.append((name, actor))
+        agents = ray.get([a.info.remote() for _, a in agent_actors])
+        fleet.replicas = [
+            RayReplica(
+                index=i,
+                engine=engine,
+                engine_url=eng["url"],
+                agent_url=agt["url"],
+                node_id=eng["node_id"],
+                agent_actor=agent_actors[i][0],
+                engine_actor=engine_actors[i][0],
+            )
+            for i, (eng, agt) in enumerate(zip(engines, agents, strict=True))
+        ]
+        _start_router(
+            fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {})
+        )
+    except BaseException:
+        fleet.shutdown()
+        raise
+    return fleet
+
+
+def attach_engines(
+    engines: Sequence[EngineOnRay],
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    served_model_name: str = "tiny",
+    model: str | None = None,
+    agent_cpus: float = 0.25,
+    router_cpus: float = 0.25,
+    token: str | None = None,
+    api_key: str | None = None,
+    workdir: str = DEFAULT_WORKDIR,
+    bind: str = "node",
+    max_restarts: int = 3,
+    detached: bool = True,
+    router_args: Mapping[str, Any] | None = None,
+) -> RayFleet:
+    """Put an agent beside each engine a trainer already runs (on the engine's node, by node
+    affinity) and a router over them; the fleet is found later with ``attach(namespace)``.
+
+    The engines stay the trainer's: ``shutdown()`` stops only the agents and the router.
+    """
+    if not engines:
+        raise ValueError("attach_engines needs at least one engine")
+    _refuse_existing(namespace)
+    token = token or secrets.token_urlsafe(24)
+    api_key = secrets.token_urlsafe(24) if api_key is None else (api_key or None)
+    root = f"{workdir}/{namespace}"
+    fleet = RayFleet(
+        namespace=namespace,
+        router_url="",
+        token=token,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        model=model,
+        replicas=[],
+    )
+    try:
+        agent_actors = []
+        for i, eng in enumerate(engines):
+            spec = AgentSpec(
+                engine=eng.engine,
+                engine_url=eng.url.rstrip("/"),
+                data_dir=Path(f"{root}/replica-{i}/agent"),
+                token=token,
+                replica_id=f"replica-{i}",
+                name=f"agent-{i}",
+            )
+            name = f"lorafleet-agent-{i}"
+            actor = _ServerActor.options(
+                name=name,
+                namespace=namespace,
+                lifetime="detached" if detached else None,
+                num_cpus=agent_cpus,
+                max_restarts=max_restarts,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(eng.node_id, soft=False),
+            ).remote(spec, f"{root}/replica-{i}", bind)
+            agent_actors.append((name, actor))
+        agents = ray.get([a.info.remote() for _, a in agent_actors])
+        fleet.replicas = [
+            RayReplica(
+                index=i,
+                engine=eng.engine,
+                engine_url=eng.url.rstrip("/"),
+                agent_url=agt["url"],
+                node_id=agt["node_id"],
+                agent_actor=agent_actors[i][0],
+            )
+            for i, (eng, agt) in enumerate(zip(engines, agents, strict=True))
+        ]
+        _start_router(
+            fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {})
+        )
+    except BaseException:
+        fleet.shutdown()
+        raise
+    return fleet
+
+
+# -- internals ---------------------------------------------------------------------------------
+
+
+def _refuse_existing(namespace: str) -> None:
+    with contextlib.suppress(ValueError):
+        ray.get_actor(_RECORD, namespace=namespace)
+        raise ValueError(
+            f"Ray namespace {namespace!r} already holds a lorafleet fleet: attach() to it or "
+            "shut it down first"
+        )
+
+
+def _placement_groups(
+    n: int, namespace: str, bundle: dict[str, float], spread: bool
+) -> list[tuple[str, PlacementGroup]]:
+    """One STRICT_PACK placement group per replica, aimed at distinct nodes (soft)."""
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    out = []
+    for i in range(n):
+        target = nodes[i % len(nodes)] if spread and nodes else None
+        name = f"lorafleet-{namespace}-replica-{i}"
+        pg = placement_group(
+            [bundle],
+            strategy="STRICT_PACK",
+            name=name,
+            lifetime="detached",
+            _soft_target_node_id=target,
+        )
+        out.append((name, pg))
+    return out
+
+
+def _start_router(
+    fleet: RayFleet,
+    root: str,
+    bind: str,
+    cpus: float,
+    max_restarts: int,
+    detached: bool,
+    router_args: dict[str, Any],
+) -> None:
+    spec = RouterSpec(
+        agents=tuple(fleet.agent_urls),
+        token=fleet.token,
+        api_key=fleet.api_key,
+        state_dir=Path(f"{root}/router/state"),
+        name="router",
+        **router_args,
+    )
+    router = _ServerActor.options(
+        name=_ROUTER,
+        namespace=fleet.namespace,
+        lifetime="detached" if detached else None,
+        num_cpus=cpus,
+        max_restarts=max_restarts,
+    ).remote(spec, f"{root}/router", bind)
+    fleet.router_url = ray.get(router.info.remote())["url"]
+    _FleetRecord.options(
+        name=_RECORD,
+        namespace=fleet.namespace,
+        lifetime="detached" if detached else None,
+        num_cpus=0,
+    ).remote(fleet.to_record())
+
+
+def _kill_actors(names: Sequence[str], namespace: str, *, stop: bool = True) -> None:
+    """Stop each server politely (if its actor answers), then kill the actor for good."""
+    handles = []
+    for name in names:
+        try:
+            handles.append(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            continue
+    if stop:
+        stops = [h.stop.remote() for h in handles]
+        with contextlib.suppress(Exception):
+            ray.wait(stops, num_returns=len(stops), timeout=30)
+    for h in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(h, no_restart=True)
