@@ -19,9 +19,9 @@ NAMESPACE = "lf-test-attach"
 @pytest.fixture(scope="module")
 def trainer_engines(ray_cluster, ray_workdir):
     """Two engines on two distinct nodes, run by the 'trainer' (not by lorafleet)."""
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    import ray
     from lorafleet.launch import ReferenceEngineSpec
     from lorafleet.ray._actors import ServerActor
 
@@ -48,6 +48,7 @@ def trainer_engines(ray_cluster, ray_workdir):
 
 def test_attach_agents_beside_trainer_engines(trainer_engines, ray_workdir, adapters, tiny_model):
     import ray
+
     from lorafleet.ray import EngineOnRay, attach, attach_engines
 
     engines = [EngineOnRay(e["url"], e["node_id"], engine="reference") for e in trainer_engines]

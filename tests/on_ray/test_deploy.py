@@ -49,6 +49,7 @@ def _agent_versions(fleet, i, name):
 
 def test_replicas_spread_engine_beside_agent_publish_and_route(fleet, adapters, tiny_model):
     import ray
+
     from lorafleet.ray import attach
 
     servers = fleet.servers()

@@ -12,6 +12,7 @@ from lorafleet.testing import wait_until
 
 def test_up_ray_status_and_ctrl_c(ray_cluster, tmp_path):
     import ray
+
     from lorafleet.ray import attach
 
     data_dir = tmp_path / "fleet"
