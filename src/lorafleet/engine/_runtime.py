@@ -104,6 +104,7 @@ class Runtime:
         max_loras: int = 8,
         max_lora_rank: int = 64,
         max_model_len: int | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,6 +112,8 @@ class Runtime:
         self.served_model_name = served_model_name
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.max_logprobs = max_logprobs
+        """vLLM's ``--max-logprobs``: the most logprobs per token a request may ask (-1: all)."""
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
@@ -246,7 +249,7 @@ class Runtime:
                     if params.logprobs is not None:
                         ev.logprob = float(logp[tok])
                         if params.logprobs > 0:
-                            vals, idx = torch.topk(logp, params.logprobs)
+                            vals, idx = torch.topk(logp, min(params.logprobs, logp.numel()))
                             ev.top = [(int(i), float(v)) for i, v in zip(idx, vals, strict=True)]
                     emit(ev)
                 if done:

@@ -41,6 +41,13 @@ def _threads() -> int:
 @click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-model-len", default=None, type=click.IntRange(min=1))
 @click.option(
+    "--max-logprobs",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=-1),
+    help="Most logprobs per token a request may ask, as vLLM's (-1: the vocabulary).",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar="LORAFLEET_ENGINE_API_KEY",
@@ -56,6 +63,7 @@ def command(
     max_loras: int,
     max_lora_rank: int,
     max_model_len: int | None,
+    max_logprobs: int,
     api_key: str | None,
     log_level: str,
 ) -> None:
@@ -75,6 +83,7 @@ def command(
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
         max_model_len=max_model_len,
+        max_logprobs=max_logprobs,
     )
     app = create_app(runtime, api_key=api_key)
     try:
