@@ -30,6 +30,7 @@ from lorafleet.errors import (
     InternalError,
     InvalidRequest,
     NotFound,
+    PathError,
     ServiceError,
     Unauthorized,
 )
@@ -87,8 +88,14 @@ def _validation_error(exc: RequestValidationError) -> ServiceError:
     first = errors[0] if errors else {}
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, ServiceError):
-        # A model validator refused with a protocol error (a path trick in a FileEntry): keep
-        # its precise code instead of the generic one.
+        # A model validator refused with a protocol error (a path trick in a FileEntry, a name
+        # outside the rule): keep its precise code instead of the generic one, and name the
+        # field it refused where it sits (``lease_holder``, ``manifest.name``).
+        where = [str(p) for p in first.get("loc", ())]
+        if where and where[0] in ("body", "path", "query", "header", "cookie"):
+            where = where[1:]
+        if where and not isinstance(cause, PathError):
+            cause.param = ".".join(where)
         return cause
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request"
