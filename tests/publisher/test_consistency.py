@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.protocol.router import AliasTable
 from lorafleet.publisher import Publisher
-from lorafleet.router.consistency import check, generate_load
 from lorafleet.testing import make_peft_adapter
+from lorafleet.testing.consistency import check, generate_load
 
 pytestmark = pytest.mark.timeout(600)
 

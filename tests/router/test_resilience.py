@@ -17,7 +17,7 @@ import aiohttp
 import httpx
 import pytest
 
-from lorafleet._http import async_client
+from lorafleet._http import REPLAYABLE, async_client
 from lorafleet.router.balancer import Balancer
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy
@@ -84,7 +84,14 @@ def test_httpx_clients_resend_once_on_a_connection_closed_under_them():
                     await plain.get(url)  # the failure lorafleet's clients must absorb
             async with async_client() as ours:
                 for _ in range(3):
-                    assert (await ours.post(url, json={"x": 1})).status_code == 200
+                    assert (await ours.get(url)).status_code == 200
+                    r = await ours.post(url, json={"x": 1}, extensions=REPLAYABLE)
+                    assert r.status_code == 200
+            async with async_client() as ours:
+                # A POST that may have acted is not sent twice: the caller must find out.
+                assert (await ours.post(url, json={"x": 1})).status_code == 200
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await ours.post(url, json={"x": 1})
 
     asyncio.run(scenario())
 

@@ -9,8 +9,8 @@ import pytest
 from lorafleet.errors import ServiceError
 from lorafleet.protocol.router import AliasEvent
 from lorafleet.router.balancer import Balancer
-from lorafleet.router.consistency import Observation, check, implied_version
 from lorafleet.router.table import STATE_FILE, AliasStore
+from lorafleet.testing.consistency import Observation, check, implied_version
 
 
 def test_store_cas_versions_and_log(tmp_path):
@@ -114,6 +114,9 @@ def test_checker_accepts_a_clean_trace():
     trace = [obs(0, 11, 1), obs(1, 19.99, 2, first=20.01), obs(2, 25, 2), obs(3, 31, 3)]
     assert check(trace, LOG, "p") == []
     assert implied_version("p@v12", "p") == 12 and implied_version("q@v1", "p") is None
+    # SGLang's OpenAI routes answer with the served base name in front.
+    assert implied_version("tiny:p@v3", "p") == 3 and implied_version("tiny:q@v3", "p") is None
+    assert implied_version("p", "p") is None
 
 
 def test_checker_catches_each_violation():

@@ -22,7 +22,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from lorafleet._http import async_client, bearer, map_transport_errors, raise_for_status
+from lorafleet._http import REPLAYABLE, async_client, bearer, map_transport_errors, raise_for_status
 from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import TransportError
 from lorafleet.protocol.agent import (
@@ -188,7 +188,7 @@ class AsyncAgentClient:
         """Ask the agent to check that its engine applies the loaded version (the record's
         ``application``). Raises ``AdapterNotApplied`` when it answers as the base model."""
         body = {"name": name, "version": version}
-        resp = await self._request("POST", "/v1/adapters/verify", json=body)
+        resp = await self._request("POST", "/v1/adapters/verify", json=body, extensions=REPLAYABLE)
         return AdapterRecord.model_validate(resp.json())
 
     async def activate(self, name: str, version: int) -> AdapterRecord:

@@ -169,19 +169,35 @@ def status_command(data_dir: str, as_json: bool) -> None:
     help="Keep the demo fleet's state and logs here [default: a temporary directory].",
 )
 @click.option(
+    "--async",
+    "async_",
+    is_flag=True,
+    help="Asynchronous RL: rollouts run while the trainer publishes every step (window of 3).",
+)
+@click.option(
     "--json-summary",
     type=click.Path(dir_okay=False),
     default=None,
     help="Write the run's summary (steps, rewards, latencies, resume check) as JSON.",
 )
-def demo_command(steps: int, resume: bool, data_dir: str | None, json_summary: str | None) -> None:
+def demo_command(
+    steps: int, resume: bool, async_: bool, data_dir: str | None, json_summary: str | None
+) -> None:
     """Train a LoRA skill on CPU, publish it every step, and watch the reward rise via the router.
 
-    Exits non-zero if the reward did not rise (or, with --resume, serving was not restored).
+    Exits non-zero if the reward did not rise (or, with --resume, serving was not restored; with
+    --async, a rollout request failed or a sample came from outside the retention window).
     """
     from lorafleet.fleet.demo import run_demo, write_summary
 
-    summary = run_demo(steps=steps, resume=resume, data_dir=data_dir)
+    if async_ and resume:
+        raise click.UsageError("--async and --resume are separate demos")
+    if async_:
+        from lorafleet.fleet.demo_async import run_async_demo
+
+        summary = run_async_demo(steps=steps, data_dir=data_dir)
+    else:
+        summary = run_demo(steps=steps, resume=resume, data_dir=data_dir)
     if json_summary:
         write_summary(summary, json_summary)
     if not summary.ok:

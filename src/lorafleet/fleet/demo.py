@@ -448,5 +448,6 @@ def _print_summary(console: Any, s: DemoSummary) -> None:
         console.print(f"[bold red]FAIL[/]: {f}")
 
 
-def write_summary(summary: DemoSummary, path: str | Path) -> None:
+def write_summary(summary: DemoSummary | Any, path: str | Path) -> None:
+    """Write a demo's summary (anything with ``to_json``) as JSON."""
     Path(path).write_text(json.dumps(summary.to_json(), indent=2) + "\n")

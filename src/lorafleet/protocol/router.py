@@ -107,7 +107,9 @@ class SetAliasRequest(_Model):
     """Refuse a pin or a session more than this many versions behind the newest (None:
     ``keep_versions - 1``, i.e. the whole window)."""
     sessions: SessionPolicy = "pin"
-    """``pin``: a session keeps the version it started on; ``follow``: always the newest."""
+    """``pin``: a session keeps the version it started on; ``follow``: always the newest. With
+    ``keep_versions=1`` there is nothing to keep a session on: it follows (the pre-window
+    behaviour), so a default publication never breaks a running session."""
 
 
 class AliasEntry(_Model):
@@ -130,6 +132,11 @@ class AliasEntry(_Model):
             RoutableVersion(version=self.version, engine_name=self.engine_name,
                             replicas=self.replicas)
         ]  # fmt: skip
+
+    @property
+    def pins_sessions(self) -> bool:
+        """Sessions keep their version: asked for, and a window to keep it in."""
+        return self.sessions == "pin" and self.keep_versions > 1
 
     @property
     def staleness(self) -> int:

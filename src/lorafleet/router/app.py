@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -70,15 +71,15 @@ class RouterConfig:
     upstream_keepalive_s: float = 2.0
     """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
     which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
-    unsafe_resolve_at_forward: float | None = None
     extra: dict = field(default_factory=dict)
 
 
 class RouterApp:
     """ASGI entry: hot POST routes to the proxy, the rest to FastAPI."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> None:
         self.config = config
+        self.proxy_class = proxy_class
         self.store = AliasStore(config.state_dir)
         self.balancer = Balancer(
             config.agents,
@@ -124,14 +125,13 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
-        self.proxy = Proxy(
+        self.proxy = self.proxy_class(
             self.store,
             self.balancer,
             self.metrics,
             pooled,
             fresh=fresh,
             api_key=self.config.api_key,
-            unsafe_resolve_at_forward=self.config.unsafe_resolve_at_forward,
         )
         try:
             yield
@@ -466,5 +466,6 @@ _DATA_PLANE_WHY = {
 }
 
 
-def create_app(config: RouterConfig) -> RouterApp:
-    return RouterApp(config)
+def create_app(config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> RouterApp:
+    """The router's ASGI app. ``proxy_class``: the data plane (a seam for test doubles)."""
+    return RouterApp(config, proxy_class=proxy_class)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
 from lorafleet.launch.listen import fd_option
+
+if TYPE_CHECKING:
+    from lorafleet.router.proxy import Proxy
 
 __all__ = ["command"]
 
@@ -66,13 +71,6 @@ __all__ = ["command"]
     "peers' own keep-alive, 5 s for uvicorn-based servers).",
 )
 @click.option("--log-level", default="warning", show_default=True)
-@click.option(
-    "--unsafe-resolve-at-forward",
-    type=float,
-    default=None,
-    hidden=True,
-    help="BROKEN ON PURPOSE (tests only): re-resolve the alias N s after arrival.",
-)
 def command(
     agents: str,
     host: str,
@@ -88,12 +86,14 @@ def command(
     healthy_after: int,
     upstream_keepalive: float,
     log_level: str,
-    unsafe_resolve_at_forward: float | None,
+    *,
+    proxy_class: Callable[..., Proxy] | None = None,
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
     from lorafleet._dirlock import DirectoryLocked, lock_directory
     from lorafleet.launch.listen import listen_address, serve
     from lorafleet.router.app import RouterConfig, create_app
+    from lorafleet.router.proxy import Proxy
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
@@ -119,9 +119,8 @@ def command(
         unhealthy_after=unhealthy_after,
         healthy_after=healthy_after,
         upstream_keepalive_s=upstream_keepalive,
-        unsafe_resolve_at_forward=unsafe_resolve_at_forward,
     )
-    app = create_app(config)
+    app = create_app(config, proxy_class=proxy_class or Proxy)
     try:
         serve(
             app,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import json
 import re
@@ -118,7 +117,6 @@ class Proxy:
         *,
         fresh: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
-        unsafe_resolve_at_forward: float | None = None,
     ) -> None:
         self.store = store
         self.balancer = balancer
@@ -127,10 +125,6 @@ class Proxy:
         self.fresh = fresh or session
         """No connection reuse: where a request goes again after a stale pooled connection."""
         self._key = api_key or None
-        # Deliberately broken mode for the consistency checker's end-to-end test: re-read the
-        # alias table this many seconds after arrival and forward to whatever is active then,
-        # while tagging and counting the arrival version (a time-of-check/time-of-use bug).
-        self.unsafe_delay = unsafe_resolve_at_forward
 
     # --- entry ---------------------------------------------------------------------------------
 
@@ -173,8 +167,6 @@ class Proxy:
         self.balancer.begin(key)  # same tick as resolve(): no await in between
         status = 0
         try:
-            if self.unsafe_delay is not None and route.adapter is not None:
-                route, cands = await self._unsafe_reresolve(route, cands)
             stream = req.get("stream") is True and path != "/generate"
             # A base-model request the router has nothing to change in goes out as the client's
             # own bytes; everything else is addressed per replica, in its engine's dialect.
@@ -234,7 +226,7 @@ class Proxy:
         aliases = self.store.aliases
         entry = aliases.get(model)
         if entry is not None:
-            if session is None or entry.sessions == "follow":
+            if session is None or not entry.pins_sessions:
                 ref = entry.window()[0]
             else:
                 ref = self._session_version(entry, session)
@@ -274,14 +266,6 @@ class Proxy:
                 f"{entry.version}, more than max_staleness {entry.staleness}; routable: {listed}"
             )
         return ref
-
-    async def _unsafe_reresolve(self, route: Route, cands: list[Replica]):
-        await asyncio.sleep(self.unsafe_delay or 0)
-        entry = self.store.aliases.get(route.adapter or "")
-        if entry is None:
-            return route, cands
-        moved = dataclasses.replace(route, engine_name=entry.engine_name, replicas=entry.replicas)
-        return moved, self.balancer.candidates(entry.replicas) or cands
 
     @staticmethod
     def _generate_request(req: dict, route: Route) -> dict:

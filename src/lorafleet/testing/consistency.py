@@ -32,7 +32,8 @@ from lorafleet.protocol.router import TAG_FIELD, AliasEvent
 
 __all__ = ["Observation", "Violation", "check", "generate_load", "implied_version"]
 
-_ENGINE_NAME = re.compile(r"(?P<name>.+)@v(?P<version>\d+)")
+# vLLM answers with the adapter's engine name, SGLang with ``<base>:<engine name>``.
+_ENGINE_NAME = re.compile(r"(?:.*:)?(?P<name>[^:]+)@v(?P<version>\d+)")
 
 
 @dataclass
@@ -61,7 +62,8 @@ class Violation:
 
 
 def implied_version(engine_model: str, name: str) -> int | None:
-    """The version an engine-side name like ``policy@v3`` stands for (None if not versioned)."""
+    """The version an engine-side name like ``policy@v3`` or ``tiny:policy@v3`` stands for
+    (None if not versioned)."""
     m = _ENGINE_NAME.fullmatch(engine_model)
     if m is None or m["name"] != name:
         return None

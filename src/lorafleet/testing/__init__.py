@@ -186,8 +186,14 @@ def start_router(
     health_interval: float | None = None,
     extra: tuple[str, ...] | list[str] = (),
     port: int = 0,
+    resolve_at_forward: float | None = None,
 ) -> Server[RouterSpec]:
-    """``lorafleet router`` over ``agents`` (servers or URLs), ready on /health."""
+    """``lorafleet router`` over ``agents`` (servers or URLs), ready on /health.
+
+    ``resolve_at_forward``: start ``lorafleet.testing.broken_router`` instead, which forwards to
+    the version active that many seconds after arrival (to prove the consistency checker)."""
+    if resolve_at_forward is not None:
+        extra = ("--resolve-at-forward", str(resolve_at_forward), *extra)
     return launcher.start(
         RouterSpec(
             agents=tuple(a if isinstance(a, str) else a.url for a in agents),
@@ -198,6 +204,7 @@ def start_router(
             health_interval=health_interval,
             extra=tuple(extra),
             port=port,
+            module=None if resolve_at_forward is None else "lorafleet.testing.broken_router",
         )
     )
 
