@@ -72,6 +72,17 @@ def test_logprobs_at_the_limit_are_served(engine):
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-3])
+def test_a_temperature_near_zero_is_raised_to_the_floor_not_a_500(engine, temperature, stream):
+    """logits / 1e-300 overflow the softmax; vLLM raises such a temperature to 1e-2 (and so
+    does the reference engine, which answered 500: 'probability tensor contains inf, nan')."""
+    body = {"model": engine.model, "prompt": PROMPT, "max_tokens": 2, "temperature": temperature}
+    r = engine.client.post("/v1/completions", json={**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert '"error"' not in r.text, r.text
+
+
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
 def test_seeds_outside_int64_are_400(engine, seed):
     body = {"model": engine.model, "prompt": PROMPT, "max_tokens": 1, "seed": seed}

@@ -44,6 +44,10 @@ class AdapterRecord:
     created: float = field(default_factory=time.time)
 
 
+MIN_TEMPERATURE = 1e-2
+"""vLLM's ``_MAX_TEMP``: a smaller positive temperature is raised to it."""
+
+
 @dataclass
 class GenParams:
     """Sampling parameters; ``temperature == 0`` is greedy (argmax, as HF ``do_sample=False``)."""
@@ -57,6 +61,12 @@ class GenParams:
     ignore_eos: bool = False
     prompt_logprobs: bool = False
     """Also score the prompt: each prompt token's logprob given the ones before it."""
+
+    def __post_init__(self) -> None:
+        # As vLLM's SamplingParams: a temperature this close to 0 overflows the softmax (inf,
+        # then NaN probabilities, which torch.multinomial refuses), so it is raised to the floor.
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
 
 @dataclass
