@@ -39,6 +39,7 @@ from lorafleet.protocol.errors import ERROR_CODE_HEADER, ErrorResponse, error_bo
 __all__ = [
     "DEFAULT_JSON_LIMIT",
     "METRICS_RESPONSES",
+    "SSE_EVENT_SCHEMA",
     "JsonBodyLimit",
     "MetricsResponse",
     "check_token",
@@ -50,6 +51,7 @@ __all__ = [
     "read_json",
     "require_token",
     "send_error",
+    "streamed_ok",
     "token_guard",
 ]
 
@@ -268,6 +270,34 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
     }
 }
 """``responses=`` for ``GET /metrics`` (with ``response_class=MetricsResponse``)."""
+
+
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event, by its fields: data is one JSON chunk, an error "
+    "event (an object with an error field), or [DONE]",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+    "required": ["data"],
+}
+"""The schema of each event of a ``text/event-stream`` answer. OpenAPI 3.2 calls it the media
+type's ``itemSchema``; before 3.2 (FastAPI writes 3.1), tools such as schemathesis read an event
+stream's ``schema`` as one event's, so that is where it goes."""
+
+
+def streamed_ok(description: str) -> dict[str, Any]:
+    """A 200 that is one JSON body, or server-sent events when the request asks to stream."""
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": SSE_EVENT_SCHEMA},
+        },
+    }
 
 
 def token_guard(

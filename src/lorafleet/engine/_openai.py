@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from lorafleet._service import streamed_ok
 from lorafleet.engine import _openai_bodies as bodies
 from lorafleet.engine import _sglang
 from lorafleet.engine._errors import EngineError, responses, stream_error
@@ -27,13 +28,7 @@ __all__ = ["router"]
 
 log = logging.getLogger("lorafleet.engine")
 
-_STREAMED = {
-    "description": "The answer (JSON), or server-sent events when ``stream`` is true",
-    "content": {
-        "application/json": {"schema": {"type": "object"}},
-        "text/event-stream": {"schema": {"type": "string"}},
-    },
-}
+_STREAMED = streamed_ok("The answer (JSON), or server-sent events when ``stream`` is true")
 
 
 def _resolve(runtime: Runtime, model: str | None, lora_path: str | None) -> AdapterRecord | None:

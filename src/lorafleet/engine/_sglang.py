@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from lorafleet._service import streamed_ok
 from lorafleet.engine._errors import ERROR_SCHEMA, EngineError, responses
 from lorafleet.engine._generation import budget, check_ids, collect, stops
 from lorafleet.engine._metrics import EngineMetrics
@@ -202,13 +203,7 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
         "/generate",
         responses=responses(
             400,
-            ok={
-                "description": "The answer (JSON), or server-sent events when ``stream`` is true",
-                "content": {
-                    "application/json": {"schema": {"type": "object"}},
-                    "text/event-stream": {"schema": {"type": "string"}},
-                },
-            },
+            ok=streamed_ok("The answer (JSON), or server-sent events when ``stream`` is true"),
         ),
     )
     async def sglang_generate(req: GenerateRequest) -> Any:

@@ -26,6 +26,7 @@ from lorafleet._service import (
     errors,
     finish_openapi,
     install_error_handlers,
+    streamed_ok,
     token_guard,
 )
 from lorafleet.errors import UnknownReplica, VersionConflict
@@ -409,20 +410,13 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
     }
     statuses = [400, 404, 413, 502, 503, *((401, 403) if keyed else ())]
     for path, (summary, props, required) in bodies.items():
-        responses: dict = {
-            "200": {
-                "description": "The engine's answer, tagged with the version (a lorafleet "
-                "field in the JSON body, or one extra chunk before data: [DONE] in a stream)",
-                "content": {
-                    "application/json": {"schema": {"type": "object"}},
-                    **(
-                        {}
-                        if path == "/generate"
-                        else {"text/event-stream": {"schema": {"type": "string"}}}
-                    ),
-                },
-            },
-        }
+        ok = streamed_ok(
+            "The engine's answer, tagged with the version (a lorafleet field in the JSON body, "
+            "or one extra chunk before data: [DONE] in a stream)"
+        )
+        if path == "/generate":  # token ids in, one JSON answer out: never a stream
+            del ok["content"]["text/event-stream"]
+        responses: dict = {"200": ok}
         for status in sorted(statuses):
             responses[str(status)] = {
                 "description": _DATA_PLANE_WHY[status],
