@@ -1,19 +1,25 @@
-"""What every lorafleet HTTP service shares: the one error mapper, auth and body caps.
+"""What every lorafleet HTTP service shares: the one error mapper, auth, body caps and the
+shape of the OpenAPI documents.
 
 Service logic raises ``lorafleet.errors.ServiceError`` subclasses; ``error_parts`` turns one into
 status, headers and the protocol's envelope, for FastAPI apps (``install_error_handlers``) and for
-the router's bare-ASGI data plane (``send_error``) alike. Nothing here knows a specific service.
+the router's bare-ASGI data plane (``send_error``) alike. ``errors(...)`` documents the statuses a
+route answers, ``token_guard`` the bearer scheme, ``finish_openapi`` what FastAPI documents on its
+own but lorafleet never answers. Nothing here knows a specific service.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.security import HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,21 +30,29 @@ from lorafleet.errors import (
     InternalError,
     InvalidRequest,
     NotFound,
+    PathError,
     ServiceError,
     Unauthorized,
 )
-from lorafleet.protocol.errors import ERROR_CODE_HEADER, error_body
+from lorafleet.protocol.errors import ERROR_CODE_HEADER, ErrorResponse, error_body
 
 __all__ = [
     "DEFAULT_JSON_LIMIT",
+    "METRICS_RESPONSES",
+    "SSE_EVENT_SCHEMA",
     "JsonBodyLimit",
+    "MetricsResponse",
     "check_token",
     "error_parts",
     "error_response",
+    "errors",
+    "finish_openapi",
     "install_error_handlers",
     "read_json",
     "require_token",
     "send_error",
+    "streamed_ok",
+    "token_guard",
 ]
 
 log = logging.getLogger("lorafleet.service")
@@ -76,8 +90,14 @@ def _validation_error(exc: RequestValidationError) -> ServiceError:
     first = errors[0] if errors else {}
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, ServiceError):
-        # A model validator refused with a protocol error (a path trick in a FileEntry): keep
-        # its precise code instead of the generic one.
+        # A model validator refused with a protocol error (a path trick in a FileEntry, a name
+        # outside the rule): keep its precise code instead of the generic one, and name the
+        # field it refused where it sits (``lease_holder``, ``manifest.name``).
+        where = [str(p) for p in first.get("loc", ())]
+        if where and where[0] in ("body", "path", "query", "header", "cookie"):
+            where = where[1:]
+        if where and not isinstance(cause, PathError):
+            cause.param = ".".join(where)
         return cause
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request"
@@ -107,8 +127,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         cls = _HTTP_STATUS_ERRORS.get(exc.status_code, InvalidRequest)
-        # The status stays Starlette's own (a 405 is not turned into a 400).
-        return error_response(cls(str(exc.detail), status=exc.status_code))
+        # The status stays Starlette's own (a 405 is not turned into a 400), and so do its
+        # headers (a 405's Allow).
+        return error_response(
+            cls(str(exc.detail), status=exc.status_code, headers=exc.headers or None)
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -208,3 +231,124 @@ class JsonBodyLimit:
             f"request body over the {self.limit} byte limit", headers={"Connection": "close"}
         )
         await send_error(send, exc)
+
+
+# --- the OpenAPI documents -----------------------------------------------------------------
+
+_WHY: dict[int, str] = {
+    400: "Invalid request: a malformed body, parameter or name (invalid_request, invalid_name, "
+    "file_not_allowed, path_escape)",
+    401: "No credentials: send 'Authorization: Bearer <token>' (unauthorized)",
+    403: "Wrong credentials, or a path outside the allow-list (forbidden, path_not_allowed)",
+    404: "Not found (not_found, upload_not_found, adapter_not_found)",
+    409: "Conflicts with the current state (adapter_conflict, version_conflict, "
+    "publish_in_progress, upload_incomplete, offset_mismatch, unknown_replica)",
+    413: "Too large (body_too_large, file_too_large, size_exceeded)",
+    422: "Bytes or adapter differ from what was declared (size_mismatch, digest_mismatch, "
+    "adapter_invalid)",
+    502: "The engine refused or did not apply the adapter (engine_rejected, adapter_not_applied)",
+    503: "The engine or every replica is unavailable; retry later (engine_unavailable, no_replica)",
+    507: "The store cannot take the bytes (quota_exceeded)",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: each status it can answer, in the protocol's envelope."""
+    return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
+
+
+class MetricsResponse(Response):
+    """Prometheus's text exposition, documented (and served) with its real content type."""
+
+    media_type = CONTENT_TYPE_LATEST
+
+
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition",
+        "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+    }
+}
+"""``responses=`` for ``GET /metrics`` (with ``response_class=MetricsResponse``)."""
+
+
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event, by its fields: data is one JSON chunk, an error "
+    "event (an object with an error field), or [DONE]",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+    "required": ["data"],
+}
+"""The schema of each event of a ``text/event-stream`` answer. OpenAPI 3.2 calls it the media
+type's ``itemSchema``; before 3.2 (FastAPI writes 3.1), tools such as schemathesis read an event
+stream's ``schema`` as one event's, so that is where it goes."""
+
+
+def streamed_ok(description: str) -> dict[str, Any]:
+    """A 200 that is one JSON body, or server-sent events when the request asks to stream."""
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": SSE_EVENT_SCHEMA},
+        },
+    }
+
+
+def token_guard(
+    expected: str | None, what: str = "control token", scheme: str = "controlToken"
+) -> Callable[..., None]:
+    """A FastAPI dependency that enforces ``check_token`` and documents the bearer scheme.
+
+    With ``expected=None`` (no token configured) the route is open and documents no scheme.
+    """
+    if expected is None:
+
+        def open_route() -> None:
+            return None
+
+        return open_route
+
+    bearer = HTTPBearer(
+        scheme_name=scheme, description=f"Authorization: Bearer <{what}>", auto_error=False
+    )
+
+    def guard(request: Request, _: object = Security(bearer)) -> None:
+        require_token(request, expected, what)
+
+    return guard
+
+
+def finish_openapi(app: FastAPI, edit: Callable[[dict], None] | None = None) -> None:
+    """Generate ``app``'s OpenAPI document once, without what lorafleet never answers.
+
+    FastAPI documents a 422 ``HTTPValidationError`` on every route with parameters; lorafleet
+    answers validation errors with 400 in its envelope (``errors(400)``), so those go. ``edit``
+    then adds what FastAPI cannot see (the router's bare-ASGI data plane).
+    """
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = base()
+        for item in schema.get("paths", {}).values():
+            for op in item.values():
+                responses = op.get("responses", {})
+                auto = responses.get("422", {}).get("content", {}).get("application/json", {})
+                if auto.get("schema", {}).get("$ref", "").endswith("/HTTPValidationError"):
+                    del responses["422"]
+        schemas = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        if edit is not None:
+            edit(schema)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ LorafleetError
 ├── ServiceError                  an error with a protocol code (alias: RemoteError)
 │   │     .code .status .message .param .headers, and .url when a client received it
 │   ├── InvalidRequest            400 invalid_request (also a ValueError: validators raise it)
+│   │   ├── InvalidName           400 invalid_name          (lorafleet.protocol.names's rule)
 │   │   └── PathError             a bundle file path is unsafe or not allowed (``.kind``)
 │   │       ├── FileNotAllowed    400 file_not_allowed
 │   │       └── PathEscape        400 path_escape
@@ -22,6 +23,7 @@ LorafleetError
 │   │   ├── UploadIncomplete      409 upload_incomplete
 │   │   ├── OffsetMismatch        409 offset_mismatch
 │   │   ├── StaleVersion          409 stale_version         (older than max_staleness allows)
+│   │   ├── UnknownReplica        409 unknown_replica       (an alias names a replica not known)
 │   │   ├── VersionConflict       409 version_conflict      (also a PublishError)
 │   │   └── PublishInProgress     409 publish_in_progress   (also a PublishError)
 │   ├── TooLarge                  413
@@ -34,7 +36,8 @@ LorafleetError
 │   ├── AdapterInvalid            422 adapter_invalid       (also a BundleError; .problems)
 │   ├── InternalError             500 internal_error
 │   ├── EngineRejected            502 engine_rejected
-│   │   └── AdapterNotApplied     502 adapter_not_applied   (loaded, but outputs are the base's)
+│   │   ├── AdapterNotApplied     502 adapter_not_applied   (loaded, but outputs are the base's)
+│   │   └── StreamInterrupted     502 stream_interrupted    (an engine's stream broke mid-way)
 │   ├── Unavailable               503
 │   │   ├── EngineUnavailable     503 engine_unavailable
 │   │   └── NoReplica             503 no_replica
@@ -72,6 +75,7 @@ __all__ = [
     "Forbidden",
     "IntegrityError",
     "InternalError",
+    "InvalidName",
     "InvalidRequest",
     "LorafleetError",
     "ManifestInvalid",
@@ -89,10 +93,12 @@ __all__ = [
     "SizeExceeded",
     "SizeMismatch",
     "StaleVersion",
+    "StreamInterrupted",
     "TooLarge",
     "TransportError",
     "Unauthorized",
     "Unavailable",
+    "UnknownReplica",
     "UploadIncomplete",
     "UploadNotFound",
     "VersionConflict",
@@ -208,6 +214,12 @@ class InvalidRequest(ServiceError, ValueError):
     family_status = 400
 
 
+class InvalidName(InvalidRequest):
+    """A name, engine name, lease holder or model outside ``lorafleet.protocol.names``'s rule."""
+
+    code = ErrorCode.INVALID_NAME
+
+
 class PathError(InvalidRequest):
     """A bundle file path that may not be written: ``kind`` is ``escape`` or ``not_allowed``."""
 
@@ -308,6 +320,12 @@ class OffsetMismatch(Conflict):
     code = ErrorCode.OFFSET_MISMATCH
 
 
+class UnknownReplica(Conflict):
+    """An alias names a replica the router does not know (no agent of its reports that id)."""
+
+    code = ErrorCode.UNKNOWN_REPLICA
+
+
 # --- 413 / 422 / 5xx / 507 -------------------------------------------------------------------
 
 
@@ -389,6 +407,12 @@ class AdapterNotApplied(EngineRejected):
     """The engine took the adapter but answers as the base model when asked for it."""
 
     code = ErrorCode.ADAPTER_NOT_APPLIED
+
+
+class StreamInterrupted(ServiceError):
+    """An engine's stream broke, or ended without ``[DONE]``, after its first byte was sent."""
+
+    code = ErrorCode.STREAM_INTERRUPTED
 
 
 class Unavailable(ServiceError):

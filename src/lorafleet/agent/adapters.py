@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import shutil
 import time
@@ -61,6 +62,12 @@ from lorafleet.protocol.agent import (
 )
 
 __all__ = ["AdapterService"]
+
+
+# What a shared-filesystem path can make reading it fail with: the trainer's input, a 400.
+_UNREADABLE = frozenset(
+    {errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ELOOP}
+)
 
 
 def _delta_bound(path: Path, config: dict) -> float | None:
@@ -214,6 +221,11 @@ class AdapterService:
                 await asyncio.to_thread(self.store.ingest_file, file_src, f.size, f.sha256)
         except FileNotFoundError as exc:
             raise InvalidRequest(f"missing file: {exc}") from None
+        except OSError as exc:
+            if exc.errno not in _UNREADABLE:
+                raise
+            why = f"cannot read {exc.filename}: {exc.strerror}"
+            raise InvalidRequest(why, param="path") from None
         except IntegrityError as exc:
             kind = "size" if isinstance(exc, SizeMismatch) else "digest"
             self.metrics.verification_failures.labels(kind).inc()

@@ -2,7 +2,8 @@
 
 Mutating routes need the control token; ``/health``, ``/v1/info``, ``/metrics`` and the OpenAPI
 document are open. JSON bodies are capped by ``JsonBodyLimit`` before FastAPI parses them; the
-upload PUT streams its raw body and is capped by the declared file size instead.
+upload PUT streams its raw body and is capped by the declared file size instead. Every route
+documents each status it answers (``responses=``); nothing a client sends is answered with a 500.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
+    METRICS_RESPONSES,
     JsonBodyLimit,
+    MetricsResponse,
+    errors,
+    finish_openapi,
     install_error_handlers,
-    require_token,
+    token_guard,
 )
 from lorafleet.agent.adapters import AdapterService
 from lorafleet.agent.backends import EngineBackend, EngineUnavailable, make_backend
@@ -204,23 +209,40 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     # Upload PUTs stream raw bytes, capped by the declared file size instead.
     app.add_middleware(JsonBodyLimit, limit=cfg.json_limit, stream_prefix="/v1/uploads/")
 
-    def auth(request: Request) -> None:
-        require_token(request, cfg.token)
-
-    guard = [Depends(auth)]
+    guard = [Depends(token_guard(cfg.token))]
+    # Every guarded route: a bad parameter or body (400), no or a wrong token (401, 403).
+    ctl = (400, 401, 403)
 
     # --- uploads ---------------------------------------------------------------------------
 
-    @app.post("/v1/uploads", status_code=201, dependencies=guard)
+    @app.post(
+        "/v1/uploads",
+        status_code=201,
+        dependencies=guard,
+        responses=errors(*ctl, 409, 413, 503, 507),
+    )
     async def open_upload(req: OpenUploadRequest) -> UploadSession:
         """Open an upload; refuses over-cap files, quota, bad paths and stale versions at once."""
         return await rt.service.open_upload(req.manifest, supersede=req.supersede)
 
-    @app.get("/v1/uploads/{upload_id}", dependencies=guard)
+    @app.get("/v1/uploads/{upload_id}", dependencies=guard, responses=errors(*ctl, 404))
     async def upload_status(upload_id: str) -> UploadStatus:
         return rt.uploads.status(upload_id)
 
-    @app.head("/v1/uploads/{upload_id}/files/{path:path}", dependencies=guard)
+    @app.head(
+        "/v1/uploads/{upload_id}/files/{path:path}",
+        dependencies=guard,
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The durable offset, in the Upload-Offset header (no body)",
+                "headers": {
+                    UPLOAD_OFFSET_HEADER: {"required": True, "schema": {"type": "integer"}}
+                },
+            },
+            **errors(*ctl, 404),
+        },
+    )
     async def upload_offset(upload_id: str, path: str) -> Response:
         """The durable offset of one file, in the Upload-Offset header."""
         off = rt.uploads.offset(upload_id, path)
@@ -229,6 +251,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     @app.put(
         "/v1/uploads/{upload_id}/files/{path:path}",
         dependencies=guard,
+        responses=errors(*ctl, 404, 409, 413, 422, 507),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -252,9 +275,11 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         content_digest: str | None = Header(
             None, alias=CONTENT_DIGEST_HEADER, description="RFC 9530: sha-256 of this body."
         ),
-        content_length: int | None = Header(None, alias="Content-Length", ge=0),
     ) -> FileProgress:
         """Stream one file's bytes; verified against the manifest's size and sha256."""
+        # The transport's own header (HTTP framing has already checked it), not a parameter.
+        declared = request.headers.get("content-length")
+        content_length = int(declared) if declared and declared.isdigit() else None
         return await rt.uploads.put(
             upload_id,
             path,
@@ -265,11 +290,21 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             content_digest=content_digest,
         )
 
-    @app.post("/v1/uploads/{upload_id}/commit", dependencies=guard)
+    @app.post(
+        "/v1/uploads/{upload_id}/commit",
+        dependencies=guard,
+        responses=errors(*ctl, 404, 409, 413, 422, 503, 507),
+    )
     async def commit(upload_id: str) -> AdapterRecord:
         return await rt.service.commit(upload_id)
 
-    @app.delete("/v1/uploads/{upload_id}", status_code=204, dependencies=guard)
+    @app.delete(
+        "/v1/uploads/{upload_id}",
+        status_code=204,
+        dependencies=guard,
+        response_class=Response,
+        responses=errors(*ctl, 404, 413),
+    )
     async def discard(upload_id: str) -> Response:
         rt.uploads.get(upload_id)
         await rt.uploads.aclose(upload_id, keep_blobs=False)
@@ -277,25 +312,39 @@ def create_app(cfg: AgentConfig) -> FastAPI:
 
     # --- adapters --------------------------------------------------------------------------
 
-    @app.post("/v1/adapters/register", dependencies=guard)
+    @app.post(
+        "/v1/adapters/register",
+        dependencies=guard,
+        responses=errors(*ctl, 409, 413, 422, 503, 507),
+    )
     async def register(req: RegisterPathRequest) -> AdapterRecord:
         return await rt.service.register(req.manifest, req.path, supersede=req.supersede)
 
-    @app.post("/v1/adapters/load", dependencies=guard)
+    @app.post(
+        "/v1/adapters/load",
+        dependencies=guard,
+        responses=errors(*ctl, 404, 409, 413, 422, 502, 503, 507),
+    )
     async def load(req: LoadRequest) -> AdapterRecord:
         return await rt.service.load(req.name, req.version, req.mode)
 
-    @app.post("/v1/adapters/verify", dependencies=guard)
+    @app.post(
+        "/v1/adapters/verify",
+        dependencies=guard,
+        responses=errors(*ctl, 404, 409, 413, 502, 503),
+    )
     async def verify(req: VerifyRequest) -> AdapterRecord:
         """Check that the engine applies the loaded version, addressed as the router will; 502
         ``adapter_not_applied`` if it answers as the base model."""
         return await rt.service.verify(req.name, req.version)
 
-    @app.post("/v1/adapters/activate", dependencies=guard)
+    @app.post(
+        "/v1/adapters/activate", dependencies=guard, responses=errors(*ctl, 404, 409, 413, 503)
+    )
     async def activate(req: ActivateRequest) -> AdapterRecord:
         return await rt.service.activate(req.name, req.version)
 
-    @app.post("/v1/adapters/unload", dependencies=guard)
+    @app.post("/v1/adapters/unload", dependencies=guard, responses=errors(*ctl, 404, 409, 413, 503))
     async def unload(req: UnloadRequest) -> AdapterRecord:
         """Gone from engine and store. 503 ``engine_unavailable`` when the engine does not
         answer: the record is then ``retiring`` and the agent finishes once it answers."""
@@ -317,15 +366,16 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             ready=rt.health().status == "ok",
         )
 
-    @app.get("/health", responses={503: {"model": Health}})
+    @app.get("/health", responses={503: {"model": Health, "description": "Not ready"}})
     async def health() -> JSONResponse:
         h = rt.health()
         return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=MetricsResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         with contextlib.suppress(OSError):
             rt.metrics.store_bytes.set(await asyncio.to_thread(rt.store.usage))
-        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return MetricsResponse(generate_latest(rt.metrics.registry))
 
+    finish_openapi(app)
     return app

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lorafleet.errors import FileNotAllowed, PathError, PathEscape
+from lorafleet.protocol.names import AdapterName, Version, check_name
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -32,8 +33,7 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # The only files a bundle may carry: what vLLM and SGLang read from an adapter directory.
 ALLOWED_FILES = frozenset({ADAPTER_CONFIG, *WEIGHT_FILES})
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def check_file_path(path: str) -> str:
@@ -56,23 +56,16 @@ def check_file_path(path: str) -> str:
     return path
 
 
-def check_name(name: str) -> str:
-    """Return ``name`` if it is a valid adapter name; raise ``ValueError`` otherwise."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(
-            f"invalid adapter name {name!r}: use 1-128 of [A-Za-z0-9._-], starting alphanumeric"
-        )
-    return name
-
-
 class FileEntry(BaseModel):
     """One file of a bundle: its relative path, size in bytes and sha256 (lowercase hex)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    path: str
+    # The schema documents the allow-list and the digest's shape; the validators below enforce
+    # them with their precise codes (file_not_allowed, path_escape).
+    path: str = Field(json_schema_extra={"enum": sorted(ALLOWED_FILES)})
     size: int = Field(ge=0)
-    sha256: str
+    sha256: str = Field(json_schema_extra={"pattern": f"^{_SHA256_RE.pattern}$"})
 
     @field_validator("path")
     @classmethod
@@ -85,7 +78,7 @@ class FileEntry(BaseModel):
     @field_validator("sha256")
     @classmethod
     def _hex(cls, v: str) -> str:
-        if not _SHA256_RE.match(v):
+        if not _SHA256_RE.fullmatch(v):
             raise ValueError("sha256 must be 64 lowercase hex characters")
         return v
 
@@ -95,16 +88,12 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    version: int = Field(ge=1)
+    name: AdapterName
+    """``lorafleet.protocol.names``'s rule (``check_name``, re-exported here)."""
+    version: Version
     base_model: str | None = None
     config: dict[str, Any]
     files: tuple[FileEntry, ...]
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return check_name(v)
 
     @field_validator("files")
     @classmethod

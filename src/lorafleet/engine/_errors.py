@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["EngineError", "error_body", "sanitize_message"]
+__all__ = [
+    "ERROR_SCHEMA",
+    "EngineError",
+    "error_body",
+    "responses",
+    "sanitize_message",
+    "stream_error",
+]
 
 
 def sanitize_message(message: str) -> str:
@@ -63,3 +70,53 @@ class EngineError(Exception):
     @classmethod
     def internal(cls, message: str) -> EngineError:
         return cls(500, "InternalServerError", message)
+
+
+def stream_error(exc: BaseException) -> dict:
+    """The event a stream that fails after its first byte ends with, as vLLM 0.32 maps it
+    (``create_streaming_error_response``): the error's own status, 400 for a ``ValueError``,
+    ``TypeError`` or ``OverflowError``, 500 for anything else."""
+    if isinstance(exc, EngineError):
+        return exc.body()
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):
+        return error_body(400, "BadRequestError", str(exc))
+    return error_body(500, "InternalServerError", f"{type(exc).__name__}: {exc}")
+
+
+# --- the OpenAPI document ----------------------------------------------------------------------
+
+ERROR_SCHEMA: dict = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+"""vLLM's envelope (``code`` the numeric status); SGLang's refusals carry only ``message``."""
+
+_WHY = {
+    400: "Invalid request (BadRequestError, InvalidUserInput)",
+    404: "No such model, adapter or adapter directory (NotFoundError)",
+    500: "vLLM 0.32 refuses to load this adapter (its worker's failure, relayed as a 500)",
+    503: "max_loras adapters are loaded already (ServiceUnavailableError)",
+}
+
+
+def responses(*statuses: int, ok: dict | None = None) -> dict[int | str, dict]:
+    """``responses=`` for a route: its 200 (``ok``, if not plain JSON) and each error status."""
+    out: dict[int | str, dict] = {} if ok is None else {200: ok}
+    for status in statuses:
+        out[status] = {
+            "description": _WHY[status],
+            "content": {"application/json": {"schema": ERROR_SCHEMA}},
+        }
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lorafleet.engine._errors import EngineError
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime, TokenEvent
 
-__all__ = ["budget", "check_ids", "collect", "stops"]
+__all__ = ["budget", "check_ids", "check_logprobs", "collect", "stops"]
 
 
 def stops(stop: str | list[str] | None) -> list[str]:
@@ -49,6 +49,25 @@ def check_ids(runtime: Runtime, ids: list[int]) -> list[int]:
     if bad:
         raise EngineError.bad_request(f"Token id {bad[0]} is out of vocabulary", "prompt")
     return ids
+
+
+def check_logprobs(runtime: Runtime, requested: int | None) -> None:
+    """Refuse more logprobs per token than the engine serves, in vLLM 0.32's words (400).
+
+    vLLM checks ``SamplingParams.logprobs`` (completions' ``logprobs``, chat's
+    ``top_logprobs``) against ``--max-logprobs`` (default 20; -1: the vocabulary) before any
+    generation, so a stream is refused before its first byte.
+    """
+    if not requested:
+        return
+    vocab = runtime.model.config.vocab_size
+    limit = vocab if runtime.max_logprobs == -1 else min(runtime.max_logprobs, vocab)
+    if requested > limit:
+        raise EngineError.bad_request(
+            f"Requested sample logprobs of {requested}, which is greater than max allowed: "
+            f"{limit} (parameter=logprobs, value={requested})",
+            param="logprobs",
+        )
 
 
 async def collect(

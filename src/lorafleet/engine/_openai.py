@@ -8,6 +8,7 @@ base model), and ``/v1/models`` lists SGLang's cards.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,16 +16,21 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from lorafleet._service import streamed_ok
 from lorafleet.engine import _openai_bodies as bodies
 from lorafleet.engine import _sglang
-from lorafleet.engine._errors import EngineError
-from lorafleet.engine._generation import budget, check_ids, collect, stops
+from lorafleet.engine._errors import EngineError, responses, stream_error
+from lorafleet.engine._generation import budget, check_ids, check_logprobs, collect, stops
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime
 from lorafleet.engine._sse import DONE, event, streaming_response
 from lorafleet.engine.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["router"]
+
+log = logging.getLogger("lorafleet.engine")
+
+_STREAMED = streamed_ok("The answer (JSON), or server-sent events when ``stream`` is true")
 
 
 async def _resolve(
@@ -45,9 +51,10 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for m in req.messages:
         content = m.content
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(
-                part.get("text", "") for part in content if part.get("type") == "text"
-            )
+            texts = [part.get("text", "") for part in content if part.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise EngineError.bad_request("a text content part needs a string 'text'")
+            content = "".join(texts)
         messages.append({"role": m.role, "content": content or ""})
     return messages
 
@@ -86,7 +93,7 @@ def router(
     if dialect is None:
         api.add_api_route("/v1/engine_info", engine_info, methods=["GET"])
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", responses=responses(400, 404, ok=_STREAMED))
     async def completions(req: CompletionRequest) -> Any:
         model_name = req.model or served
         metrics.requests.labels("/v1/completions", model_name).inc()
@@ -105,6 +112,7 @@ def router(
             raise EngineError.bad_request("The prompt cannot be empty.", param="prompt")
         for _, ids in prompts:
             check_ids(runtime, ids)
+        check_logprobs(runtime, req.logprobs)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params_for = [
             GenParams(
@@ -190,13 +198,14 @@ def router(
                         yield chunk(i, item.text, logprobs=lp, **extra)
                 if include_usage:
                     yield event(bodies.completion_usage_chunk(cid, created, model_name, total))
-            except EngineError as exc:
-                yield event(exc.body())
+            except Exception as exc:  # after the first byte: an error event, then the end
+                log.exception("completion stream failed")
+                yield event(stream_error(exc))
             yield DONE
 
         return streaming_response(frames())
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", responses=responses(400, 404, ok=_STREAMED))
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         model_name = req.model or served
         metrics.requests.labels("/v1/chat/completions", model_name).inc()
@@ -208,6 +217,8 @@ def router(
         ids = check_ids(runtime, runtime.encode(prompt, add_special_tokens=False))
         requested = req.max_completion_tokens or req.max_tokens
         top = req.top_logprobs or 0
+        if req.logprobs:
+            check_logprobs(runtime, top)
         params = GenParams(
             max_tokens=budget(runtime, len(ids), requested),
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -255,8 +266,9 @@ def router(
                     if not item.text and lp is None:
                         continue
                     yield chunk({"content": item.text}, logprobs=lp)
-            except EngineError as exc:
-                yield event(exc.body())
+            except Exception as exc:  # after the first byte: an error event, then the end
+                log.exception("chat stream failed")
+                yield event(stream_error(exc))
             yield DONE
 
         return streaming_response(frames())

@@ -45,6 +45,10 @@ class AdapterRecord:
     created: float = field(default_factory=time.time)
 
 
+MIN_TEMPERATURE = 1e-2
+"""vLLM's ``_MAX_TEMP``: a smaller positive temperature is raised to it."""
+
+
 @dataclass
 class GenParams:
     """Sampling parameters; ``temperature == 0`` is greedy (argmax, as HF ``do_sample=False``)."""
@@ -58,6 +62,12 @@ class GenParams:
     ignore_eos: bool = False
     prompt_logprobs: bool = False
     """Also score the prompt: each prompt token's logprob given the ones before it."""
+
+    def __post_init__(self) -> None:
+        # As vLLM's SamplingParams: a temperature this close to 0 overflows the softmax (inf,
+        # then NaN probabilities, which torch.multinomial refuses), so it is raised to the floor.
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
 
 @dataclass
@@ -106,6 +116,7 @@ class Runtime:
         max_lora_rank: int = 64,
         max_model_len: int | None = None,
         rules: Rulebook = REFERENCE,
+        max_logprobs: int = 20,
     ) -> None:
         """``rules``: what a load refuses, in whose words (vLLM's by default; SGLang's for the
         SGLang dialect)."""
@@ -116,6 +127,8 @@ class Runtime:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.rules = rules
+        self.max_logprobs = max_logprobs
+        """vLLM's ``--max-logprobs``: the most logprobs per token a request may ask (-1: all)."""
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
@@ -251,7 +264,7 @@ class Runtime:
                     if params.logprobs is not None:
                         ev.logprob = float(logp[tok])
                         if params.logprobs > 0:
-                            vals, idx = torch.topk(logp, params.logprobs)
+                            vals, idx = torch.topk(logp, min(params.logprobs, logp.numel()))
                             ev.top = [(int(i), float(v)) for i, v in zip(idx, vals, strict=True)]
                     emit(ev)
                 if done:

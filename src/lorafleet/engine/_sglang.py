@@ -30,7 +30,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from lorafleet.engine._errors import EngineError
+from lorafleet._service import streamed_ok
+from lorafleet.engine._errors import ERROR_SCHEMA, EngineError, responses
 from lorafleet.engine._generation import budget, check_ids, collect, stops
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime
@@ -52,6 +53,7 @@ __all__ = [
     "openai_adapter_name",
     "router",
     "server_info",
+    "stream_error_body",
     "update_result",
 ]
 
@@ -354,11 +356,42 @@ def server_info(runtime: Runtime, dialect: SGLangDialect | None) -> dict:
     }
 
 
+def stream_error_body(exc: BaseException) -> dict:
+    """The error event SGLang's ``/generate`` stream ends with (``stream_results``)."""
+    code = 400 if isinstance(exc, ValueError) else getattr(exc, "status", 500)
+    return {
+        "error": {
+            "message": str(exc),
+            "type": "invalid_request_error",
+            "code": code,
+            "retryable": False,
+        }
+    }
+
+
 def _refuse(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=400)
 
 
 # --- routes --------------------------------------------------------------------------------------
+
+_UPDATE = {
+    "type": "object",
+    "required": ["success", "loaded_adapters"],
+    "properties": {
+        "success": {"type": "boolean"},
+        "error_message": {"type": ["string", "null"]},
+        "loaded_adapters": {"type": "object"},
+    },
+}
+# SGLang's LoRAUpdateOutput: 200 on success, 400 on failure; or a malformed body's 400.
+_UPDATE_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "Loaded", "content": {"application/json": {"schema": _UPDATE}}},
+    400: {
+        "description": "Refused (success false), or a malformed body",
+        "content": {"application/json": {"schema": {"anyOf": [_UPDATE, ERROR_SCHEMA]}}},
+    },
+}
 
 
 def router(
@@ -369,7 +402,7 @@ def router(
     api = APIRouter()
     served = runtime.served_model_name
 
-    @api.post("/load_lora_adapter")
+    @api.post("/load_lora_adapter", responses=_UPDATE_RESPONSES)
     async def sglang_load(req: SGLangLoadLoRAAdapterRequest) -> JSONResponse:
         metrics.requests.labels("/load_lora_adapter", req.lora_name).inc()
         name = req.lora_name
@@ -395,7 +428,7 @@ def router(
                 )
         return update_result(runtime, True)
 
-    @api.post("/unload_lora_adapter")
+    @api.post("/unload_lora_adapter", responses=_UPDATE_RESPONSES)
     async def sglang_unload(req: SGLangUnloadLoRAAdapterRequest) -> JSONResponse:
         metrics.requests.labels("/unload_lora_adapter", req.lora_name).inc()
         if dialect is not None:
@@ -423,7 +456,13 @@ def router(
     async def ready() -> Response:
         return Response(status_code=200)
 
-    @api.post("/generate")
+    @api.post(
+        "/generate",
+        responses=responses(
+            400,
+            ok=streamed_ok("The answer (JSON), or server-sent events when ``stream`` is true"),
+        ),
+    )
     async def sglang_generate(req: GenerateRequest) -> Any:
         label = req.lora_path or served
         metrics.requests.labels("/generate", label).inc()
@@ -472,16 +511,19 @@ def router(
 
         async def frames() -> AsyncIterator[str]:
             text, out_ids = "", []
-            async for item in runtime.stream(ids, adapter, params):
-                if isinstance(item, GenResult):
-                    metrics.account(label, item)
-                    yield event(body(item.text, item.token_ids, item))
-                    continue
-                text += item.text
-                if item.token_id >= 0:
-                    out_ids.append(item.token_id)
-                # SGLang streams cumulative text and ids by default (stream_output off).
-                yield event(body(text, list(out_ids), None))
+            try:
+                async for item in runtime.stream(ids, adapter, params):
+                    if isinstance(item, GenResult):
+                        metrics.account(label, item)
+                        yield event(body(item.text, item.token_ids, item))
+                        continue
+                    text += item.text
+                    if item.token_id >= 0:
+                        out_ids.append(item.token_id)
+                    # SGLang streams cumulative text and ids by default (stream_output off).
+                    yield event(body(text, list(out_ids), None))
+            except Exception as exc:  # SGLang's stream_results: an error event, then the end
+                yield event(stream_error_body(exc))
             yield DONE
 
         return streaming_response(frames())

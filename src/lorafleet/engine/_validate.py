@@ -74,10 +74,13 @@ def check_adapter_dir(
     """
     path = Path(lora_path)
     cfg_file = path / "adapter_config.json"
-    if not os.path.isabs(lora_path) and not path.exists():
-        raise not_found(name, lora_path)
-    if not path.is_dir() or not cfg_file.is_file():
-        raise not_found(name, lora_path)
+    try:
+        if not os.path.isabs(lora_path) and not path.exists():
+            raise not_found(name, lora_path)
+        if not path.is_dir() or not cfg_file.is_file():
+            raise not_found(name, lora_path)
+    except (OSError, ValueError):  # a name too long, a NUL byte, text no filesystem takes
+        raise not_found(name, lora_path) from None
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:

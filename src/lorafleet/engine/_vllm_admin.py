@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
-from lorafleet.engine._errors import EngineError
+from lorafleet.engine._errors import EngineError, responses
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import Runtime
 from lorafleet.engine.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -36,7 +36,11 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
     api = APIRouter()
     served = runtime.served_model_name
 
-    @api.post("/v1/load_lora_adapter")
+    @api.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=responses(400, 404, 500, 503),
+    )
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         metrics.requests.labels("/v1/load_lora_adapter", req.lora_name or "").inc()
         if not req.lora_name or not req.lora_path:
@@ -60,7 +64,11 @@ def router(runtime: Runtime, metrics: EngineMetrics) -> APIRouter:
                 raise worker_failure(exc) from exc
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @api.post("/v1/unload_lora_adapter")
+    @api.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        responses=responses(400, 404),
+    )
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
         metrics.requests.labels("/v1/unload_lora_adapter", req.lora_name or "").inc()
         if not req.lora_name:

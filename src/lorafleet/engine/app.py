@@ -13,6 +13,8 @@ no vLLM routes (``vllm_lora_routes`` keeps its load/unload, for a test of a misc
 SGLang's addressing on the OpenAI routes, and FastAPI's bare ``{"detail": ...}`` for an unknown
 route, as SGLang answers one.
 
+The OpenAPI document lists every status each route answers (and, with an API key, its 401).
+
 Route handlers only translate HTTP to runtime calls and back; model work happens on the
 runtime's worker thread, never on the event loop.
 """
@@ -22,10 +24,11 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafleet._auth import check_bearer
+from lorafleet._service import METRICS_RESPONSES, MetricsResponse, finish_openapi
 from lorafleet.engine import _openai, _sglang, _vllm_admin
 from lorafleet.engine._errors import EngineError, error_body
 from lorafleet.engine._metrics import EngineMetrics
@@ -60,7 +63,9 @@ def _add_error_handlers(app: FastAPI, dialect: str) -> None:
             return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
         kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
         return JSONResponse(
-            error_body(exc.status_code, kind, str(exc.detail)), status_code=exc.status_code
+            error_body(exc.status_code, kind, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=exc.headers,  # a 405's Allow
         )
 
     @app.exception_handler(Exception)
@@ -74,16 +79,41 @@ def _add_auth(app: FastAPI, api_key: str | None) -> None:
     # Installed even without a key, so that every app streams through the same middleware stack.
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        path = request.url.path
-        guarded = path.startswith("/v1") or path in _sglang.GUARDED_PATHS
         if (
             api_key is not None
-            and guarded
+            and _guarded(request.url.path)
             and request.method != "OPTIONS"
             and check_bearer(request.headers.get("authorization"), api_key) != "ok"
         ):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
+
+
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1") or path in _sglang.GUARDED_PATHS
+
+
+def _document_auth(schema: dict) -> None:
+    """The API key's bearer scheme and vLLM's 401 on every guarded route."""
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})["apiKey"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "Authorization: Bearer <API key> (vLLM's --api-key)",
+    }
+    unauthorized = {
+        "description": "No or a wrong API key (vLLM's answer)",
+        "content": {
+            "application/json": {
+                "schema": {"type": "object", "properties": {"error": {"type": "string"}}}
+            }
+        },
+    }
+    for path, item in schema.get("paths", {}).items():
+        if not _guarded(path):
+            continue
+        for op in item.values():
+            op["security"] = [{"apiKey": []}]
+            op.setdefault("responses", {})["401"] = unauthorized
 
 
 def create_app(
@@ -108,14 +138,18 @@ def create_app(
     _add_error_handlers(app, dialect)
     _add_auth(app, api_key)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "Serving (an empty body, as vLLM's)"}},
+    )
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=MetricsResponse, responses=METRICS_RESPONSES)
     async def prometheus() -> Response:
         metrics.adapters_loaded.set(len(runtime.adapters))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return MetricsResponse(generate_latest(metrics.registry))
 
     app.include_router(_openai.router(runtime, metrics, sglang))
     if sglang is None or vllm_lora_routes:
@@ -123,4 +157,5 @@ def create_app(
     app.include_router(_sglang.router(runtime, metrics, sglang))
     app.state.runtime = runtime
     app.state.metrics = metrics
+    finish_openapi(app, _document_auth if api_key is not None else None)
     return app

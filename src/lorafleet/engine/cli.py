@@ -42,6 +42,13 @@ def _threads() -> int:
 @click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-model-len", default=None, type=click.IntRange(min=1))
 @click.option(
+    "--max-logprobs",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=-1),
+    help="Most logprobs per token a request may ask, as vLLM's (-1: the vocabulary).",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar="LORAFLEET_ENGINE_API_KEY",
@@ -76,6 +83,7 @@ def command(
     max_loras: int,
     max_lora_rank: int,
     max_model_len: int | None,
+    max_logprobs: int,
     api_key: str | None,
     dialect: str,
     sglang_upsert: bool,
@@ -99,6 +107,7 @@ def command(
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
         max_model_len=max_model_len,
+        max_logprobs=max_logprobs,
         rules=SGLANG if dialect == "sglang" else REFERENCE,
     )
     app = create_app(

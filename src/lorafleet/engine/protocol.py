@@ -38,7 +38,7 @@ class _SamplingFields(_Open):
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # vLLM's int64 bounds
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -105,7 +105,7 @@ class SamplingParams(_Open):
     top_p: float | None = Field(default=1.0, gt=0, le=1)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
 
 
 class GenerateRequest(_Open):

@@ -30,9 +30,11 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.errors import InvalidRequest
+from lorafleet.protocol.names import AdapterName, Version
 
 __all__ = [
     "CONTENT_DIGEST_HEADER",
@@ -57,6 +59,7 @@ __all__ = [
     "UploadSession",
     "UploadStatus",
     "VerifyRequest",
+    "check_local_path",
     "engine_name",
     "file_url",
     "upload_url",
@@ -83,6 +86,32 @@ def upload_url(upload_id: str) -> str:
 
 def file_url(upload_id: str, path: str) -> str:
     return f"/v1/uploads/{upload_id}/files/{path}"
+
+
+# What a local filesystem takes (Linux's NAME_MAX and PATH_MAX, in bytes).
+_NAME_MAX_BYTES = 255
+_PATH_MAX_BYTES = 4095
+
+
+def check_local_path(path: str) -> str:
+    """Return ``path`` if the filesystem can even be asked about it; raise ``InvalidRequest``.
+
+    Refused before any system call: an empty path, a NUL byte, text that is not valid UTF-8
+    (lone surrogates), a component over 255 bytes or a path over 4095 bytes.
+    """
+    if not path:
+        raise InvalidRequest("path is empty", param="path")
+    if "\x00" in path:
+        raise InvalidRequest("path contains a NUL byte", param="path")
+    try:
+        raw = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("path is not valid UTF-8", param="path") from None
+    if len(raw) > _PATH_MAX_BYTES:
+        raise InvalidRequest(f"path is over {_PATH_MAX_BYTES} bytes", param="path")
+    if any(len(part) > _NAME_MAX_BYTES for part in raw.split(b"/")):
+        raise InvalidRequest(f"a component of path is over {_NAME_MAX_BYTES} bytes", param="path")
+    return path
 
 
 class _Model(BaseModel):
@@ -125,30 +154,36 @@ class RegisterPathRequest(_Model):
     """Shared filesystem: the agent verifies ``path`` against ``manifest`` and ingests it."""
 
     manifest: Manifest
-    path: str
+    path: str = Field(min_length=1, max_length=_PATH_MAX_BYTES)
+    """A directory under one of the agent's ``--shared-fs-allow`` roots."""
     supersede: bool = False
     """As for ``OpenUploadRequest``."""
 
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return check_local_path(v)
+
 
 class LoadRequest(_Model):
-    name: str
-    version: int = Field(ge=1)
+    name: AdapterName
+    version: Version
     mode: LoadMode = "versioned"
 
 
 class VerifyRequest(_Model):
-    name: str
-    version: int = Field(ge=1)
+    name: AdapterName
+    version: Version
 
 
 class ActivateRequest(_Model):
-    name: str
-    version: int = Field(ge=1)
+    name: AdapterName
+    version: Version
 
 
 class UnloadRequest(_Model):
-    name: str
-    version: int = Field(ge=1)
+    name: AdapterName
+    version: Version
 
 
 class AdapterState(str, Enum):

@@ -29,6 +29,7 @@ class ErrorCode:
     """Stable error codes. Each maps to exactly one HTTP status in ``STATUS_BY_CODE``."""
 
     INVALID_REQUEST = "invalid_request"
+    INVALID_NAME = "invalid_name"
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
@@ -55,11 +56,14 @@ class ErrorCode:
     ADAPTER_NOT_APPLIED = "adapter_not_applied"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     NO_REPLICA = "no_replica"
+    UNKNOWN_REPLICA = "unknown_replica"
+    STREAM_INTERRUPTED = "stream_interrupted"
     INTERNAL = "internal_error"
 
 
 STATUS_BY_CODE: dict[str, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_NAME: 400,
     ErrorCode.FILE_NOT_ALLOWED: 400,
     ErrorCode.PATH_ESCAPE: 400,
     ErrorCode.UNAUTHORIZED: 401,
@@ -75,6 +79,7 @@ STATUS_BY_CODE: dict[str, int] = {
     ErrorCode.PUBLISH_IN_PROGRESS: 409,
     ErrorCode.UPLOAD_INCOMPLETE: 409,
     ErrorCode.OFFSET_MISMATCH: 409,
+    ErrorCode.UNKNOWN_REPLICA: 409,
     ErrorCode.FILE_TOO_LARGE: 413,
     ErrorCode.BODY_TOO_LARGE: 413,
     ErrorCode.SIZE_EXCEEDED: 413,
@@ -83,6 +88,7 @@ STATUS_BY_CODE: dict[str, int] = {
     ErrorCode.ADAPTER_INVALID: 422,
     ErrorCode.ENGINE_REJECTED: 502,
     ErrorCode.ADAPTER_NOT_APPLIED: 502,
+    ErrorCode.STREAM_INTERRUPTED: 502,
     ErrorCode.ENGINE_UNAVAILABLE: 503,
     ErrorCode.NO_REPLICA: 503,
     ErrorCode.INTERNAL: 500,

@@ -18,12 +18,16 @@ routable versions; older than the newest by more than ``max_staleness``: 409 ``s
 Control plane (the control token, separate from the inference key)::
 
     GET    /v1/control/aliases                 -> AliasTable
-    PUT    /v1/control/aliases/{name}          SetAliasRequest -> AliasEntry  (atomic flip)
+    PUT    /v1/control/aliases/{name}          SetAliasRequest -> AliasEntry  (atomic flip; 409
+                                               unknown_replica if a replica id is not known)
     DELETE /v1/control/aliases/{name}          -> 204
     POST   /v1/control/aliases/{name}/drain    DrainRequest -> DrainResponse
     POST   /v1/control/leases/{name}           LeaseRequest -> Lease (409 if another holder)
-    DELETE /v1/control/leases/{name}/{holder}  -> 204
+    DELETE /v1/control/leases/{name}/{holder}  -> 204 (the holder releases its lease)
+    DELETE /v1/control/leases/{name}           -> 204 (an operator breaks whatever lease is held)
     GET    /v1/control/replicas                -> ReplicaList
+
+Names, engine names, lease holders and versions follow ``lorafleet.protocol.names``.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lorafleet.protocol.names import EngineName, LeaseHolder, Version
+
 __all__ = [
     "ADAPTER_HEADER",
+    "MAX_REPLICAS",
     "REPLICA_HEADER",
     "SESSION_HEADER",
     "TAG_FIELD",
@@ -48,6 +55,7 @@ __all__ = [
     "ReplicaList",
     "ReplicaStatus",
     "RoutableVersion",
+    "RouterHealth",
     "SessionPolicy",
     "SetAliasRequest",
     "VersionTag",
@@ -58,6 +66,7 @@ VERSION_HEADER = "X-Lorafleet-Adapter-Version"
 REPLICA_HEADER = "X-Lorafleet-Replica"
 SESSION_HEADER = "X-Session-ID"
 TAG_FIELD = "lorafleet"
+MAX_REPLICAS = 4096
 
 
 class _Model(BaseModel):
@@ -83,13 +92,14 @@ class RoutableVersion(_Model):
 
 
 class SetAliasRequest(_Model):
-    version: int = Field(ge=1)
-    engine_name: str
-    replicas: list[str] = Field(min_length=1)
-    """Replica ids (``AgentInfo.replica_id``) that hold this version, loaded and verified."""
-    expected_version: int | None = None
+    version: Version
+    engine_name: EngineName
+    replicas: list[str] = Field(min_length=1, max_length=MAX_REPLICAS)
+    """Replica ids (``AgentInfo.replica_id``) that hold this version, loaded and verified; each
+    must be one the router knows from its agents (409 ``unknown_replica`` otherwise)."""
+    expected_version: Version | None = None
     """Compare-and-set: refuse (409) unless the active version is this one (None: no alias yet)."""
-    lease_holder: str | None = None
+    lease_holder: LeaseHolder | None = None
     keep_versions: int = Field(default=1, ge=1, le=64)
     """The retention window: this version and the newest ``keep_versions - 1`` before it stay
     routable (``name@vN``, and sessions that started on them)."""
@@ -148,7 +158,7 @@ class AliasTable(_Model):
 
 
 class DrainRequest(_Model):
-    version: int = Field(ge=1)
+    version: Version
     timeout_s: float = Field(default=30.0, ge=0, le=3600)
 
 
@@ -160,7 +170,7 @@ class DrainResponse(_Model):
 
 
 class LeaseRequest(_Model):
-    holder: str
+    holder: LeaseHolder
     ttl_s: float = Field(default=300.0, gt=0, le=86400)
 
 
@@ -181,3 +191,11 @@ class ReplicaStatus(_Model):
 
 class ReplicaList(_Model):
     replicas: list[ReplicaStatus]
+
+
+class RouterHealth(_Model):
+    """``GET /health``: the router answers; how many replicas it knows and routes to."""
+
+    status: Literal["ok"]
+    replicas: int
+    healthy: int

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from lorafleet.protocol.names import MAX_VERSION
+
 DEFAULT_FLEET_DIR = ".lorafleet"
 
 
@@ -47,13 +49,28 @@ def _source(path: str, config_path: str | None):
     return torch.load(str(p), map_location="cpu", weights_only=True), config
 
 
+def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from lorafleet.protocol.names import InvalidName, check_name
+
+    try:
+        return check_name(value)
+    except InvalidName as exc:
+        raise click.BadParameter(exc.message) from None
+
+
 @click.command("publish")
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--name", required=True, help="Adapter name clients ask for (model=<name>).")
+@click.option(
+    "--name",
+    required=True,
+    callback=_name,
+    help="Adapter name clients ask for (model=<name>): 1-128 of [A-Za-z0-9._-], "
+    "starting with a letter or digit.",
+)
 @click.option(
     "--version",
     "version",
-    type=int,
+    type=click.IntRange(1, MAX_VERSION),
     default=None,
     help="Version to publish (default: the active one + 1).",
 )

@@ -41,6 +41,7 @@ from lorafleet.errors import (
     VersionConflict,
 )
 from lorafleet.protocol.agent import AdapterState
+from lorafleet.protocol.names import check_name
 from lorafleet.protocol.router import SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
@@ -151,6 +152,7 @@ class AsyncPublisher:
         Publisher cannot do.
         """
         t_start = time.perf_counter()
+        check_name(name)  # InvalidName (a ValueError) before anything else
         mode = mode or ("atomic" if self.router else "in_place")
         if mode == "atomic" and self.router is None:
             raise ValueError("atomic mode needs a router (the alias flip is the atomic step)")

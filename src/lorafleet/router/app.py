@@ -2,26 +2,36 @@
 
 ``RouterApp`` dispatches the three POST inference routes straight to ``Proxy`` and everything else
 (control plane, ``/v1/models``, ``/health``, ``/metrics``, ``/openapi.json``, lifespan) to FastAPI.
+The OpenAPI document covers both: FastAPI's routes declare every status they answer, and
+``_document_data_plane`` describes the bare-ASGI routes by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-from fastapi import Depends, FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import Depends, FastAPI, Response
+from prometheus_client import generate_latest
 
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
+    METRICS_RESPONSES,
     JsonBodyLimit,
+    MetricsResponse,
+    errors,
+    finish_openapi,
     install_error_handlers,
-    require_token,
+    streamed_ok,
+    token_guard,
 )
-from lorafleet.errors import VersionConflict
+from lorafleet.errors import UnknownReplica, VersionConflict
+from lorafleet.protocol.errors import ErrorResponse
+from lorafleet.protocol.names import AdapterName, LeaseHolder
 from lorafleet.protocol.router import (
     AliasEntry,
     AliasTable,
@@ -31,6 +41,7 @@ from lorafleet.protocol.router import (
     LeaseRequest,
     ReplicaList,
     ReplicaStatus,
+    RouterHealth,
     SetAliasRequest,
 )
 from lorafleet.router.balancer import Balancer
@@ -42,6 +53,8 @@ from lorafleet.router.table import AliasStore
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
 
 HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+
+log = logging.getLogger("lorafleet.router")
 
 
 @dataclass
@@ -168,25 +181,41 @@ def _build_api(router: RouterApp) -> FastAPI:
     app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
     store, balancer = router.store, router.balancer
 
-    def control(request: Request) -> None:
-        require_token(request, cfg.control_token)
+    ctl = [Depends(token_guard(cfg.control_token))]
+    inference = [Depends(token_guard(cfg.api_key, what="API key", scheme="apiKey"))]
+    # Every control route: a bad parameter or body (400), no or a wrong token (401, 403).
+    guarded = (400, 401, 403)
+    # The data plane's /v1/models and /finish_session: the API key, when one is configured.
+    keyed = (401, 403) if cfg.api_key is not None else ()
 
-    def inference(request: Request) -> None:
-        require_token(request, cfg.api_key, what="API key")
-
-    ctl = [Depends(control)]
-
-    @app.get("/health")
-    async def health() -> dict:
+    @app.get("/health", response_model=RouterHealth)
+    async def health() -> RouterHealth:
         healthy = sum(1 for r in balancer.replicas if r.routable)
-        return {"status": "ok", "replicas": len(balancer.replicas), "healthy": healthy}
+        return RouterHealth(status="ok", replicas=len(balancer.replicas), healthy=healthy)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=MetricsResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         router.export_gauges()
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return MetricsResponse(generate_latest(router.metrics.registry))
 
-    @app.get("/v1/models", dependencies=[Depends(inference)])
+    def known_ids() -> set[str]:
+        return {r.replica_id for r in balancer.replicas if r.replica_id}
+
+    async def check_replicas(ids: list[str]) -> None:
+        """Refuse (409 ``unknown_replica``) an alias naming a replica no agent reports."""
+        unknown = sorted(set(ids) - known_ids())
+        if unknown and router.poller is not None:
+            # An agent that was unreachable at the last poll may answer now.
+            await router.poller.poll_once()
+            unknown = sorted(set(ids) - known_ids())
+        if unknown:
+            shown = ", ".join(repr(u)[:80] for u in unknown[:5])
+            raise UnknownReplica(
+                f"unknown replica id(s) {shown}: the router knows {sorted(known_ids())}",
+                param="replicas",
+            )
+
+    @app.get("/v1/models", dependencies=inference, responses=errors(*keyed))
     async def models() -> dict:
         now = int(time.time())
         data = [
@@ -194,6 +223,7 @@ def _build_api(router: RouterApp) -> FastAPI:
             for m in sorted(balancer.base_models())
         ]
         parent = data[0]["id"] if data else None
+        # Aliases by their public names only: engine-side names (policy@v3) stay inside.
         for name, e in sorted(store.aliases.items()):
             data.append(
                 {
@@ -209,20 +239,33 @@ def _build_api(router: RouterApp) -> FastAPI:
             )
         return {"object": "list", "data": data}
 
-    @app.post("/finish_session", dependencies=[Depends(inference)])
+    @app.post("/finish_session", dependencies=inference, responses=errors(400, 413, *keyed))
     async def finish_session(session_id: str) -> dict:
         """Forget a sticky session (SkyRL calls this when a trajectory ends)."""
         balancer.forget_session(session_id)
         return {"ok": True}
 
-    @app.get("/v1/control/aliases", dependencies=ctl, response_model=AliasTable)
+    @app.get(
+        "/v1/control/aliases",
+        dependencies=ctl,
+        response_model=AliasTable,
+        responses=errors(401, 403),
+    )
     async def table(log: bool = True) -> AliasTable:
         """``log=false``: the aliases alone (the flip log is up to 10,000 events long)."""
         table = store.table()
         return table if log else AliasTable(aliases=table.aliases, log=[])
 
-    @app.put("/v1/control/aliases/{name}", dependencies=ctl, response_model=AliasEntry)
-    async def set_alias(name: str, req: SetAliasRequest) -> AliasEntry:
+    @app.put(
+        "/v1/control/aliases/{name}",
+        dependencies=ctl,
+        response_model=AliasEntry,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def set_alias(name: AdapterName, req: SetAliasRequest) -> AliasEntry:
+        """The atomic flip. 409: ``version_conflict`` (compare-and-set, not newer),
+        ``publish_in_progress`` (another lease holder), ``unknown_replica``."""
+        await check_replicas(req.replicas)
         kw = {}
         # An explicit null means "no alias yet"; an absent field means "no compare-and-set".
         if "expected_version" in req.model_fields_set:
@@ -241,14 +284,25 @@ def _build_api(router: RouterApp) -> FastAPI:
         router.prune_metrics()
         return entry
 
-    @app.delete("/v1/control/aliases/{name}", dependencies=ctl, status_code=204)
-    async def delete_alias(name: str, lease_holder: str | None = None) -> Response:
+    @app.delete(
+        "/v1/control/aliases/{name}",
+        dependencies=ctl,
+        status_code=204,
+        response_class=Response,
+        responses=errors(*guarded, 404, 409, 413),
+    )
+    async def delete_alias(name: AdapterName, lease_holder: LeaseHolder | None = None) -> Response:
         store.delete_alias(name, lease_holder)
         router.prune_metrics()
         return Response(status_code=204)
 
-    @app.post("/v1/control/aliases/{name}/drain", dependencies=ctl, response_model=DrainResponse)
-    async def drain(name: str, req: DrainRequest) -> DrainResponse:
+    @app.post(
+        "/v1/control/aliases/{name}/drain",
+        dependencies=ctl,
+        response_model=DrainResponse,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def drain(name: AdapterName, req: DrainRequest) -> DrainResponse:
         active = store.aliases.get(name)
         if active is not None and req.version in {v.version for v in active.window()}:
             raise VersionConflict(
@@ -260,16 +314,51 @@ def _build_api(router: RouterApp) -> FastAPI:
         router.prune_metrics()
         return DrainResponse(name=name, version=req.version, inflight=left, drained=left == 0)
 
-    @app.post("/v1/control/leases/{name}", dependencies=ctl, response_model=Lease)
-    async def acquire_lease(name: str, req: LeaseRequest) -> Lease:
+    @app.post(
+        "/v1/control/leases/{name}",
+        dependencies=ctl,
+        response_model=Lease,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def acquire_lease(name: AdapterName, req: LeaseRequest) -> Lease:
+        """Grant or renew the holder's lease; 409 ``publish_in_progress`` if another holds it."""
         return store.acquire_lease(name, req.holder, req.ttl_s)
 
-    @app.delete("/v1/control/leases/{name}/{holder}", dependencies=ctl, status_code=204)
-    async def release_lease(name: str, holder: str) -> Response:
+    @app.delete(
+        "/v1/control/leases/{name}/{holder}",
+        dependencies=ctl,
+        status_code=204,
+        response_class=Response,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def release_lease(name: AdapterName, holder: LeaseHolder) -> Response:
+        """The holder releases its lease (idempotent); 409 if another holder has it."""
         store.release_lease(name, holder)
         return Response(status_code=204)
 
-    @app.get("/v1/control/replicas", dependencies=ctl, response_model=ReplicaList)
+    @app.delete(
+        "/v1/control/leases/{name}",
+        dependencies=ctl,
+        status_code=204,
+        response_class=Response,
+        responses=errors(*guarded, 413),
+    )
+    async def break_lease(name: AdapterName) -> Response:
+        """An operator breaks the lease on ``name``, whoever holds it (idempotent).
+
+        For a publisher that died holding it: its lease would block every publication of the
+        name until its TTL. The publisher that held it, if alive, then fails at its flip."""
+        broken = store.break_lease(name)
+        if broken is not None:
+            log.warning("lease on %r held by %r broken by an operator", name, broken.holder)
+        return Response(status_code=204)
+
+    @app.get(
+        "/v1/control/replicas",
+        dependencies=ctl,
+        response_model=ReplicaList,
+        responses=errors(401, 403),
+    )
     async def replicas() -> ReplicaList:
         return ReplicaList(
             replicas=[
@@ -285,32 +374,104 @@ def _build_api(router: RouterApp) -> FastAPI:
             ]
         )
 
-    _document_data_plane(app)
+    finish_openapi(app, lambda schema: _document_data_plane(schema, cfg.api_key is not None))
     return app
 
 
-def _document_data_plane(app: FastAPI) -> None:
-    """Add the bare-ASGI routes to /openapi.json (FastAPI never sees them)."""
-    base = app.openapi
+def _document_data_plane(schema: dict, keyed: bool) -> None:
+    """Add the bare-ASGI routes (``Proxy``; FastAPI never sees them) to the OpenAPI document.
 
-    def openapi() -> dict:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = base()
-        body = {"content": {"application/json": {"schema": {"type": "object"}}}}
-        ok = {"200": {"description": "The engine's answer, tagged with the version"}}
-        for path, summary in (
-            ("/v1/completions", "OpenAI completions, routed by adapter version (stream or not)"),
-            ("/v1/chat/completions", "OpenAI chat completions, routed by adapter version"),
-            ("/generate", "Native token-id generation: {model, token_ids, sampling_params}"),
-        ):
-            schema["paths"][path] = {
-                "post": {"summary": summary, "requestBody": body, "responses": ok}
+    What they answer: 200 with the engine's body, tagged (JSON, or an SSE stream when
+    ``stream`` is true); the engine's own error statuses, relayed with engine-side names
+    replaced by the alias; and the router's own refusals in the protocol's envelope (400 bad
+    body or ``invalid_name``, 401/403 the API key, 404 unknown model, 413 body over 32 MiB, 502
+    the engine's answer broke off, 503 no replica).
+    """
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    if "ErrorResponse" not in schemas:
+        doc = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(doc.pop("$defs", {}))
+        schemas["ErrorResponse"] = doc
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    # The engine's own refusals are relayed in its envelope (vLLM: an integer code).
+    relayed = {"anyOf": [error, {"type": "object", "required": ["error"]}]}
+    model = {
+        "type": "string",
+        "description": "An adapter name (lorafleet.protocol.names) or a base model's name; "
+        "absent: the base model",
+    }
+    bodies = {
+        "/v1/completions": (
+            "OpenAI completions, routed by adapter version (stream or not)",
+            {"model": model, "prompt": {}, "stream": {"type": "boolean"}},
+            ["prompt"],
+        ),
+        "/v1/chat/completions": (
+            "OpenAI chat completions, routed by adapter version (stream or not)",
+            {"model": model, "messages": {"type": "array"}, "stream": {"type": "boolean"}},
+            ["messages"],
+        ),
+        "/generate": (
+            "Native token-id generation: {model, token_ids, sampling_params}",
+            {
+                "model": model,
+                "token_ids": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                "sampling_params": {"type": "object"},
+            },
+            ["token_ids"],
+        ),
+    }
+    statuses = [400, 404, 413, 502, 503, *((401, 403) if keyed else ())]
+    for path, (summary, props, required) in bodies.items():
+        ok = streamed_ok(
+            "The engine's answer, tagged with the version (a lorafleet field in the JSON body, "
+            "or one extra chunk before data: [DONE] in a stream)"
+        )
+        if path == "/generate":  # token ids in, one JSON answer out: never a stream
+            del ok["content"]["text/event-stream"]
+        responses: dict = {"200": ok}
+        for status in sorted(statuses):
+            responses[str(status)] = {
+                "description": _DATA_PLANE_WHY[status],
+                "content": {
+                    "application/json": {"schema": relayed if status in (400, 404) else error}
+                },
             }
-        app.openapi_schema = schema
-        return schema
+        op: dict = {
+            "summary": summary,
+            "operationId": "data_plane_" + path.strip("/").replace("/", "_"),
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"type": "object", "properties": props, "required": required}
+                    }
+                },
+            },
+            "responses": responses,
+        }
+        if keyed:
+            op["security"] = [{"apiKey": []}]
+        schema["paths"][path] = {"post": op}
+    if keyed:
+        components.setdefault("securitySchemes", {})["apiKey"] = {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "Authorization: Bearer <API key>",
+        }
 
-    app.openapi = openapi
+
+_DATA_PLANE_WHY = {
+    400: "Not a JSON object, a bad field, or a model name outside the name rule (invalid_name); "
+    "or the engine's own 400, relayed",
+    401: "No API key (unauthorized)",
+    403: "Wrong API key (forbidden)",
+    404: "No adapter or base model by that name (not_found); or the engine's own 404, relayed",
+    413: "Body over 32 MiB (body_too_large)",
+    502: "The engine's answer broke off (stream_interrupted)",
+    503: "No replica serves this version right now (no_replica, engine_unavailable)",
+}
 
 
 def create_app(config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> RouterApp:

@@ -132,6 +132,10 @@ class AsyncRouterClient:
             "DELETE", f"/v1/control/leases/{quote(name, safe='')}/{quote(holder, safe='')}"
         )
 
+    async def break_lease(self, name: str) -> None:
+        """An operator's override: remove the lease on ``name`` whoever holds it."""
+        await self._call("DELETE", f"/v1/control/leases/{quote(name, safe='')}")
+
     async def replicas(self) -> ReplicaList:
         r = await self._call("GET", "/v1/control/replicas")
         return ReplicaList.model_validate_json(r.content)

@@ -9,6 +9,10 @@ streams the answer back chunk by chunk. JSON bodies are tagged by splicing bytes
 Native ``POST /generate`` (SkyRL's shape: ``{"model", "token_ids", "sampling_params"}``) maps to
 the engine's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, and answers
 ``{"model", "choices": [{"index", "token_ids", "text", "finish_reason", "logprobs"}]}``.
+
+A client never sees an engine-side name in an error (``policy@v3`` becomes ``policy``), and a
+stream that fails after its first byte (the engine broke off, ended without ``[DONE]``, or sent
+an error event) ends with an error event and ``data: [DONE]``, never with a version tag.
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ from lorafleet.errors import (
     NotFound,
     ServiceError,
     StaleVersion,
+    StreamInterrupted,
     VersionNotRoutable,
 )
+from lorafleet.protocol.errors import error_body
+from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import TAG_FIELD, AliasEntry, RoutableVersion
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
@@ -48,6 +55,14 @@ _DONE = b"data: [DONE]"
 # newline, so "\ndata: [DONE]" cannot be matched inside an event's content.
 _DONE_LINE = b"\n" + _DONE
 _MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# An error event (vLLM's and SGLang's ``data: {"error": ...}``) at a line start.
+_ERROR_LINE = b'\ndata: {"error"'
+# A versioned engine-side name (``policy@v3``) anywhere in an engine's error text.
+_ENGINE_NAME_RE = re.compile(rb"([A-Za-z0-9][A-Za-z0-9._-]*)@v[0-9]+")
+# An error event is held back until the stream ends, up to this many bytes.
+_MAX_ERROR_TAIL = 64 << 10
+# An event is held until it is whole, up to this many bytes (then it passes as it comes).
+_MAX_EVENT = 1 << 20
 # A pooled connection the engine closed while idle (uvicorn closes keep-alive connections after
 # 5 s) fails like this when reused, before any response byte: resend once on a new connection.
 _STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
@@ -207,7 +222,7 @@ class Proxy:
         if model is None:
             return Route(None, None, None, None, None, None)
         if not isinstance(model, str):
-            raise InvalidRequest("model must be a string")
+            raise InvalidRequest("model must be a string", param="model")
         aliases = self.store.aliases
         entry = aliases.get(model)
         if entry is not None:
@@ -225,7 +240,9 @@ class Proxy:
             return Route(model, name, ref.version, ref.engine_name, ref.replicas, None, lag)
         if model in self.balancer.base_models():
             return Route(model, None, None, None, None, model)
-        raise NotFound(f"The model `{model}` does not exist.")
+        # 400 invalid_name: no adapter (or pinned version, name@vN) could ever have this name.
+        check_engine_name(model, param="model")
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
 
     def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
         """The version ``session`` started on (pinned now if it is new)."""
@@ -344,9 +361,8 @@ class Proxy:
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
                         await self._stream(send, route, replica, resp, scope["path"], sent_model)
-                    else:
-                        await self._whole(send, route, replica, resp, generate, sent_model)
-                    return resp.status
+                        return resp.status
+                    return await self._whole(send, route, replica, resp, generate, sent_model)
                 except BaseException:
                     resp.close()  # never return a half-read connection to the pool
                     raise
@@ -370,15 +386,19 @@ class Proxy:
         resp: aiohttp.ClientResponse,
         generate: bool,
         sent_model: str | None,
-    ) -> None:
-        body = await resp.read()
+    ) -> int:
+        """Relay a whole answer (tagged if it is a 200 JSON body); the status sent."""
+        try:
+            body = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            await send_error(send, StreamInterrupted(_broke_off(exc)))
+            return 502
         headers = self._tag_headers(route, replica)
         ctype = resp.headers.get("Content-Type", "application/json")
         rename = route.engine_name is not None and route.alias is not None and sent_model
-        if resp.status != 200 and rename:
+        if resp.status != 200:
             # An engine's error must not show a client the engine-side names (policy@v3).
-            for internal in {sent_model, route.engine_name}:
-                body = body.replace(_esc(internal), _esc(route.alias))
+            body = self._scrub(body, route, sent_model)
         if resp.status == 200 and ctype.startswith("application/json"):
             if generate:
                 body = self._generate_answer(body, route)
@@ -395,6 +415,20 @@ class Proxy:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        return resp.status
+
+    @staticmethod
+    def _scrub(body: bytes, route: Route, sent_model: str | None) -> bytes:
+        """An engine's error text with the client's alias for every engine-side name."""
+        if route.alias is None:
+            return _ENGINE_NAME_RE.sub(rb"\1", body)
+        alias = _esc(route.alias)
+        if route.engine_name is not None:
+            for internal in {sent_model, route.engine_name} - {None, "", route.alias}:
+                body = body.replace(_esc(internal), alias)  # type: ignore[arg-type]
+        # Any other versioned engine name loses its version; the client's own (a pinned
+        # ``policy@v3``) stays as the client wrote it.
+        return _ENGINE_NAME_RE.sub(lambda m: m[0] if m[0] == alias else m[1], body)
 
     @staticmethod
     def _generate_answer(body: bytes, route: Route) -> bytes:
@@ -432,40 +466,64 @@ class Proxy:
                 (b'"model": "' + eng + b'"', b'"model": "' + ali + b'"'),
             ]
         engine_model: bytes | None = None
-        pending = b"\n"  # the start of the stream is a line start
-        sent_any = False
-        tagged = False
-        async for chunk in resp.content.iter_any():
-            if engine_model is None:
-                m = _MODEL_RE.search(chunk)
-                if m:
-                    engine_model = m.group(1)
-            if rewrite:
-                for a, b in pairs:
-                    chunk = chunk.replace(a, b)
-            if tagged:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                continue
-            buf = pending + chunk
-            i = buf.find(_DONE_LINE)
-            if i >= 0:
+        held = b""  # bytes after the last complete event: not sent yet
+        done = False  # the engine's [DONE] was seen, and the tag sent just before it
+        failed: bytearray | None = None  # the engine's error event and all after it
+        broke: str | None = None
+        try:
+            async for chunk in resp.content.iter_any():
+                if done:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    continue
+                if failed is not None:
+                    if len(failed) < _MAX_ERROR_TAIL:
+                        failed += chunk
+                    continue
+                # Only whole events go out: a stream that breaks off mid-event must not leave
+                # the client half an event before the error event.
+                buf = held + chunk
+                end = _events_end(buf)
+                if end == 0 and len(buf) <= _MAX_EVENT:
+                    held = buf
+                    continue
+                events, held = (buf[:end], buf[end:]) if end else (buf, b"")
+                if engine_model is None:
+                    m = _MODEL_RE.search(events)
+                    if m:
+                        engine_model = m.group(1)
+                if rewrite:
+                    for a, b in pairs:
+                        events = events.replace(a, b)
+                lined = b"\n" + events  # each block starts an event: a line start
+                e, i = lined.find(_ERROR_LINE), lined.find(_DONE_LINE)
+                if e >= 0 and (i < 0 or e < i):
+                    events, failed = events[:e], bytearray(events[e:] + held)
+                    held = b""
+                elif i >= 0:
+                    tag = self._tag_event(route, replica, engine_model, path)
+                    events, done = events[:i] + tag + events[i:] + held, True
+                if events:
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            broke = _broke_off(exc)
+        if not done and failed is None and broke is None:
+            # The last event may lack its blank line: the engine's own end or error still count.
+            last = held.strip()
+            if last == _DONE:
                 tag = self._tag_event(route, replica, engine_model, path)
-                buf = buf[: i + 1] + tag + buf[i + 1 :]
-                tagged, pending = True, b""
-            else:
-                # Hold back only a tail that could be the start of "\ndata: [DONE]".
-                keep = _partial_suffix(buf)
-                buf, pending = (buf[:-keep], buf[-keep:]) if keep else (buf, b"")
-            if sent_any is False and buf.startswith(b"\n"):
-                buf = buf[1:]  # the line-start marker that stood for the start of the stream
-            if buf:
-                sent_any = True
-                await send({"type": "http.response.body", "body": buf, "more_body": True})
-        if not tagged:
-            if not sent_any and pending.startswith(b"\n"):
-                pending = pending[1:]
-            tail = pending + self._tag_event(route, replica, engine_model, path)
+                await send({"type": "http.response.body", "body": tag + held, "more_body": True})
+                done = True
+            elif last.startswith(_ERROR_LINE[1:]):
+                failed = bytearray(held)
+        if failed is not None:
+            # The engine's own error event, passed on without engine-side names; then the end.
+            tail = self._scrub(bytes(failed), route, sent_model).rstrip(b"\n") + b"\n\n"
+            if _DONE_LINE not in b"\n" + tail:
+                tail += _DONE + b"\n\n"
             await send({"type": "http.response.body", "body": tail, "more_body": True})
+        elif not done:
+            why = broke or "the engine's stream ended without data: [DONE]"
+            await send({"type": "http.response.body", "body": _error_event(why), "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     def _tag_event(
@@ -508,9 +566,18 @@ async def _watched(fwd, receive) -> int:
         return 499
 
 
-def _partial_suffix(buf: bytes) -> int:
-    """Length of the longest proper prefix of ``\ndata: [DONE]`` that ``buf`` ends with."""
-    for n in range(min(len(_DONE_LINE) - 1, len(buf)), 0, -1):
-        if buf.endswith(_DONE_LINE[:n]):
-            return n
-    return 0
+def _events_end(buf: bytes) -> int:
+    """Where the last whole SSE event in ``buf`` ends (0: none is whole yet)."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _broke_off(exc: BaseException) -> str:
+    return f"the engine's answer broke off: {type(exc).__name__}: {exc}"
+
+
+def _error_event(message: str) -> bytes:
+    """An SSE error event in the protocol's envelope, then the end of the stream."""
+    exc = StreamInterrupted(message)
+    doc = json.dumps(error_body(exc.code, exc.message), separators=(",", ":")).encode()
+    return b"data: " + doc + b"\n\n" + _DONE + b"\n\n"

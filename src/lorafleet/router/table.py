@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet.errors import NotFound, PublishInProgress, VersionConflict
+from lorafleet.errors import InvalidName, NotFound, PublishInProgress, VersionConflict
+from lorafleet.protocol.names import check_engine_name, check_holder, check_name
 from lorafleet.protocol.router import (
     AliasEntry,
     AliasEvent,
@@ -37,6 +39,8 @@ STATE_FILE = "router-state.json"
 MAX_LOG = 10_000
 
 _UNSET = object()
+
+log = logging.getLogger("lorafleet.router")
 
 
 @dataclass
@@ -89,6 +93,22 @@ class AliasStore:
         self.log = [AliasEvent.model_validate(e) for e in raw["log"]]
         self.seq = int(raw["seq"])
         self.leases = {k: LeaseRecord(**v) for k, v in raw.get("leases", {}).items()}
+        # A file an older router wrote may hold what the name rule now refuses (a name with a
+        # newline, an empty engine name or lease holder): it could never be served or released.
+        for name, entry in list(self.aliases.items()):
+            try:
+                check_name(name)
+                check_engine_name(entry.engine_name)
+            except InvalidName as exc:
+                log.warning("dropping stored alias %r: %s", name, exc)
+                del self.aliases[name]
+        for name, lease in list(self.leases.items()):
+            try:
+                check_name(name)
+                check_holder(lease.holder)
+            except InvalidName as exc:
+                log.warning("dropping stored lease on %r: %s", name, exc)
+                del self.leases[name]
 
     def _persist(
         self,
@@ -213,6 +233,19 @@ class AliasStore:
         self._persist(self.aliases, self.log, self.seq, leases)
         self.leases = leases
         return Lease(name=name, holder=holder, expires_in_s=ttl_s)
+
+    def break_lease(self, name: str) -> LeaseRecord | None:
+        """Remove the lease on ``name`` whoever holds it (an operator's override); idempotent.
+
+        Returns the lease that was broken, if one was held and unexpired.
+        """
+        lease = self.lease_of(name)
+        if name not in self.leases:
+            return None
+        leases = {k: v for k, v in self.leases.items() if k != name}
+        self._persist(self.aliases, self.log, self.seq, leases)
+        self.leases = leases
+        return lease
 
     def release_lease(self, name: str, holder: str) -> None:
         """Release ``holder``'s lease; idempotent. ``publish_in_progress`` if another holds it."""
