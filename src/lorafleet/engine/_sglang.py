@@ -452,7 +452,11 @@ def router(
     async def sglang_server_info() -> dict:
         return server_info(runtime, dialect)
 
-    @api.get("/ready")
+    @api.get(
+        "/ready",
+        response_class=Response,
+        responses={200: {"description": "Ready (an empty body, as SGLang's)"}},
+    )
     async def ready() -> Response:
         return Response(status_code=200)
 

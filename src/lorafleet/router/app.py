@@ -249,7 +249,7 @@ def _build_api(router: RouterApp) -> FastAPI:
         "/v1/control/aliases",
         dependencies=ctl,
         response_model=AliasTable,
-        responses=errors(401, 403),
+        responses=errors(400, 401, 403),
     )
     async def table(log: bool = True) -> AliasTable:
         """``log=false``: the aliases alone (the flip log is up to 10,000 events long)."""
