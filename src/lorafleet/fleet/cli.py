@@ -130,6 +130,7 @@ def _up_on_ray(console: Console, config: FleetConfig, address: str | None, names
 
     try:
         import ray
+
         from lorafleet.ray import deploy
     except ImportError as exc:
         raise click.ClickException("--ray needs Ray: pip install 'lorafleet[ray]'") from exc

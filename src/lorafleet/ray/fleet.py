@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -35,7 +36,6 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-import ray
 from lorafleet.fleet.state import FleetInfo, ReplicaInfo, write_fleet_file
 from lorafleet.launch import (
     AgentSpec,
@@ -317,26 +317,14 @@ def deploy(
             ).remote(spec, f"{root}/replica-{i}", bind, tiny_model=model is None)
             engine_actors.append((name, actor))
         engines = ray.get([a.info.remote() for _, a in engine_actors])
-        agent_actors = []
-        for i, ((_, pg), eng) in enumerate(zip(pgs, engines, strict=True)):
-            spec = AgentSpec(
-                engine=engine,
-                engine_url=eng["url"],
-                data_dir=Path(f"{root}/replica-{i}/agent"),
-                token=token,
-                replica_id=f"replica-{i}",
-                name=f"agent-{i}",
+        agent_actors = [
+            _start_agent_actor(
+                i, engine, eng["url"], root, token, namespace,
+                strategy=PlacementGroupSchedulingStrategy(pg, 0),
+                detached=detached, num_cpus=agent_cpus, max_restarts=max_restarts, bind=bind,
             )
-            name = f"lorafleet-agent-{i}"
-            actor = _ServerActor.options(
-                name=name,
-                namespace=namespace,
-                lifetime="detached" if detached else None,
-                num_cpus=agent_cpus,
-                max_restarts=max_restarts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            ).remote(spec, f"{root}/replica-{i}", bind)
-            agent_actors.append((name, actor))
+            for i, ((_, pg), eng) in enumerate(zip(pgs, engines, strict=True))
+        ]  # fmt: skip
         agents = ray.get([a.info.remote() for _, a in agent_actors])
         fleet.replicas = [
             RayReplica(
@@ -396,26 +384,14 @@ def attach_engines(
         replicas=[],
     )
     try:
-        agent_actors = []
-        for i, eng in enumerate(engines):
-            spec = AgentSpec(
-                engine=eng.engine,
-                engine_url=eng.url.rstrip("/"),
-                data_dir=Path(f"{root}/replica-{i}/agent"),
-                token=token,
-                replica_id=f"replica-{i}",
-                name=f"agent-{i}",
+        agent_actors = [
+            _start_agent_actor(
+                i, eng.engine, eng.url.rstrip("/"), root, token, namespace,
+                strategy=NodeAffinitySchedulingStrategy(eng.node_id, soft=False),
+                detached=detached, num_cpus=agent_cpus, max_restarts=max_restarts, bind=bind,
             )
-            name = f"lorafleet-agent-{i}"
-            actor = _ServerActor.options(
-                name=name,
-                namespace=namespace,
-                lifetime="detached" if detached else None,
-                num_cpus=agent_cpus,
-                max_restarts=max_restarts,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(eng.node_id, soft=False),
-            ).remote(spec, f"{root}/replica-{i}", bind)
-            agent_actors.append((name, actor))
+            for i, eng in enumerate(engines)
+        ]  # fmt: skip
         agents = ray.get([a.info.remote() for _, a in agent_actors])
         fleet.replicas = [
             RayReplica(
@@ -438,6 +414,41 @@ def attach_engines(
 
 
 # -- internals ---------------------------------------------------------------------------------
+
+
+def _start_agent_actor(
+    i: int,
+    engine: str,
+    engine_url: str,
+    root: str,
+    token: str,
+    namespace: str,
+    *,
+    strategy: Any,
+    detached: bool,
+    num_cpus: float,
+    max_restarts: int,
+    bind: str,
+) -> tuple[str, Any]:
+    """Replica ``i``'s agent as a named actor placed by ``strategy`` (beside its engine)."""
+    spec = AgentSpec(
+        engine=engine,
+        engine_url=engine_url,
+        data_dir=Path(f"{root}/replica-{i}/agent"),
+        token=token,
+        replica_id=f"replica-{i}",
+        name=f"agent-{i}",
+    )
+    name = f"lorafleet-agent-{i}"
+    actor = _ServerActor.options(
+        name=name,
+        namespace=namespace,
+        lifetime="detached" if detached else None,
+        num_cpus=num_cpus,
+        max_restarts=max_restarts,
+        scheduling_strategy=strategy,
+    ).remote(spec, f"{root}/replica-{i}", bind)
+    return name, actor
 
 
 def _refuse_existing(namespace: str) -> None:
