@@ -195,10 +195,8 @@ def assert_serves(
     assert got["choices"][0]["token_ids"] == ids
 
 
-# --- the contract -------------------------------------------------------------------------------
-
-
-def test_atomic_v1_v2_every_shape(engine, launcher, tiny_model, tmp_path, adapters, merged):
+def agent_and_router(engine: Engine, launcher, tmp_path: Path) -> tuple[str, Server, Server]:
+    """A fresh agent (of the engine's kind) in front of ``engine`` and a router over it."""
     token = secrets.token_urlsafe(12)
     agent = start_agent(
         launcher,
@@ -209,6 +207,14 @@ def test_atomic_v1_v2_every_shape(engine, launcher, tiny_model, tmp_path, adapte
         max_lora_rank=engine.max_lora_rank,
     )
     router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
+    return token, agent, router
+
+
+# --- the contract -------------------------------------------------------------------------------
+
+
+def test_atomic_v1_v2_every_shape(engine, launcher, tiny_model, tmp_path, adapters, merged):
+    token, agent, router = agent_and_router(engine, launcher, tmp_path)
     name = f"contract-{secrets.token_hex(3)}"
     assert merged["a"] != merged["base"] != merged["b"]
     try:
@@ -237,16 +243,7 @@ def test_atomic_v1_v2_every_shape(engine, launcher, tiny_model, tmp_path, adapte
 
 
 def test_in_place_serves_the_new_weights(engine, launcher, tiny_model, tmp_path, adapters, merged):
-    token = secrets.token_urlsafe(12)
-    agent = start_agent(
-        launcher,
-        engine.server,
-        tmp_path / "agent",
-        kind=engine.kind,
-        token=token,
-        max_lora_rank=engine.max_lora_rank,
-    )
-    router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
+    token, agent, router = agent_and_router(engine, launcher, tmp_path)
     name = f"inplace-{secrets.token_hex(3)}"
     try:
         with Publisher([agent.url], router=router.url, token=token) as pub:
@@ -317,16 +314,7 @@ def test_engine_restart_brings_the_adapter_back(
     """The engine dies and comes back empty (a real engine forgets runtime adapters): the agent
     loads the active version again by itself and the router serves it, with nobody publishing.
     Runs last in this file: it restarts the session's shared server (same port, same flags)."""
-    token = secrets.token_urlsafe(12)
-    agent = start_agent(
-        launcher,
-        engine.server,
-        tmp_path / "agent",
-        kind=engine.kind,
-        token=token,
-        max_lora_rank=engine.max_lora_rank,
-    )
-    router = start_router(launcher, [agent], tmp_path / "router", token=token, health_interval=0.2)
+    token, agent, router = agent_and_router(engine, launcher, tmp_path)
     name = f"restart-{secrets.token_hex(3)}"
     try:
         with Publisher([agent.url], router=router.url, token=token) as pub:
