@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _limits import write_fsync_rate
 from lorafleet.launch import Launcher
 from lorafleet.publisher import Publisher
 from lorafleet.testing import (
@@ -70,15 +71,7 @@ def throughput_limits(scratch: Path, size: int = 64 * MiB) -> tuple[float, float
     for _ in range(size // CHUNK):
         h.update(buf)
     sha = size / (time.perf_counter() - t)
-    out = scratch / "write-limit"
-    t = time.perf_counter()
-    with open(out, "wb") as dst:
-        for _ in range(size // CHUNK):
-            dst.write(buf)
-        dst.flush()
-        os.fsync(dst.fileno())
-    wr = size / (time.perf_counter() - t)
-    out.unlink()
+    wr = write_fsync_rate(scratch, size)
     return sha, wr
 
 

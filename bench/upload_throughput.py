@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _limits import write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
@@ -53,16 +54,7 @@ def limits(path: Path, size: int, scratch: Path) -> tuple[float, float]:
         while b := f.read(CHUNK):
             h.update(b)
     sha = size / (time.perf_counter() - t)
-    buf = os.urandom(CHUNK)
-    out = scratch / "write-limit"
-    t = time.perf_counter()
-    with open(out, "wb") as dst:
-        for _ in range(size // CHUNK):
-            dst.write(buf)
-        dst.flush()
-        os.fsync(dst.fileno())
-    wr = size / (time.perf_counter() - t)
-    out.unlink()
+    wr = write_fsync_rate(scratch, size)
     return sha, wr
 
 
