@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+from aiohttp import web
 
 from lorafleet.launch import AgentSpec, RouterSpec, Server
 from lorafleet.testing import wait_until
@@ -67,3 +68,16 @@ def set_alias(
     return httpx.put(
         f"{router.url}/v1/control/aliases/{name}", json=body, headers=ctl(router), timeout=10
     )
+
+
+async def serve_completions(handler) -> tuple[web.AppRunner, str]:
+    """A stand-in engine on loopback answering POST /v1/completions with ``handler``; the runner
+    (``await runner.cleanup()`` stops it) and its URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"

@@ -20,6 +20,7 @@ from lorafleet.router.balancer import Balancer
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy
 from lorafleet.router.table import AliasStore
+from tests.router.helpers import serve_completions
 
 
 def test_model_field_per_kind():
@@ -48,14 +49,7 @@ class RecordingEngine:
         return web.json_response({"id": "c", "model": body["model"], "choices": [{"text": "x"}]})
 
     async def start(self) -> tuple[web.AppRunner, str]:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return runner, f"http://127.0.0.1:{port}"
+        return await serve_completions(self.completions)
 
 
 async def _call(proxy: Proxy, body: dict) -> tuple[int, dict]:

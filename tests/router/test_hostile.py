@@ -21,6 +21,7 @@ from lorafleet.router.balancer import Balancer
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy
 from lorafleet.router.table import STATE_FILE, AliasStore
+from tests.router.helpers import serve_completions
 
 TOKEN = "ctl-t0ken"
 H = {"Authorization": f"Bearer {TOKEN}"}
@@ -227,14 +228,7 @@ class CannedEngine:
         return resp
 
     async def start(self) -> tuple[web.AppRunner, str]:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return runner, f"http://127.0.0.1:{port}"
+        return await serve_completions(self.completions)
 
 
 async def _call(proxy: Proxy, body: dict) -> tuple[int, dict[str, str], bytes]:
