@@ -114,17 +114,22 @@ def error_message(response: httpx.Response) -> str:
     return response.text.strip()
 
 
-def raise_for_status(response: httpx.Response) -> httpx.Response:
-    """Return ``response`` if it succeeded; raise the ``ServiceError`` for its code otherwise."""
-    if response.is_success:
-        return response
+def error_code(response: httpx.Response) -> str:
+    """The protocol code of an error answer (its header, else its envelope), or ``http_error``."""
     code = response.headers.get(ERROR_CODE_HEADER, "")
     body = _body(response)
     if not code and isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         code = str(err.get("code") or err.get("type") or "")
+    return code or "http_error"
+
+
+def raise_for_status(response: httpx.Response) -> httpx.Response:
+    """Return ``response`` if it succeeded; raise the ``ServiceError`` for its code otherwise."""
+    if response.is_success:
+        return response
     raise error_for(
-        code or "http_error",
+        error_code(response),
         error_message(response),
         status=response.status_code,
         url=str(response.url),

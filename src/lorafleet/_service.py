@@ -241,6 +241,7 @@ _WHY: dict[int, str] = {
     401: "No credentials: send 'Authorization: Bearer <token>' (unauthorized)",
     403: "Wrong credentials, or a path outside the allow-list (forbidden, path_not_allowed)",
     404: "Not found (not_found, upload_not_found, adapter_not_found)",
+    408: "A relayed upload received no byte for its stall limit (transfer_stalled); resume it",
     409: "Conflicts with the current state (adapter_conflict, version_conflict, "
     "publish_in_progress, upload_incomplete, offset_mismatch, unknown_replica)",
     413: "Too large (body_too_large, file_too_large, size_exceeded)",

@@ -18,6 +18,7 @@ LorafleetError
 │   │   ├── UploadNotFound        404 upload_not_found
 │   │   ├── AdapterNotFound       404 adapter_not_found
 │   │   └── VersionNotRoutable    404 version_not_routable  (outside the retention window)
+│   ├── TransferStalled           408 transfer_stalled      (a relayed PUT stopped sending)
 │   ├── Conflict                  409
 │   │   ├── AdapterConflict       409 adapter_conflict
 │   │   ├── UploadIncomplete      409 upload_incomplete
@@ -95,6 +96,7 @@ __all__ = [
     "StaleVersion",
     "StreamInterrupted",
     "TooLarge",
+    "TransferStalled",
     "TransportError",
     "Unauthorized",
     "Unavailable",
@@ -290,6 +292,12 @@ class VersionNotRoutable(NotFound):
 
 
 # --- 409 -----------------------------------------------------------------------------------
+
+
+class TransferStalled(ServiceError):
+    """A relayed upload received no byte for its stall limit; its durable prefix stays."""
+
+    code = ErrorCode.TRANSFER_STALLED
 
 
 class Conflict(ServiceError):

@@ -53,7 +53,7 @@ def _alias(fleet, name):
     return r.json()["aliases"].get(name)
 
 
-@pytest.mark.parametrize("transfer", ["remote_upload", "shared_filesystem", "in_memory"])
+@pytest.mark.parametrize("transfer", ["remote_upload", "relay", "shared_filesystem", "in_memory"])
 def test_transfer_modes_deliver_and_serve(
     launcher, make_fleet, adapters, tiny_model, tmp_path, transfer
 ):
@@ -81,7 +81,12 @@ def test_transfer_modes_deliver_and_serve(
             if transfer == "in_memory"
             else AdapterBundle.from_dir(adapters["a"], name="x")
         )
-        assert res.bytes_sent == 2 * built.total_size
+        # One copy per agent from here, or (relay, the default for 2 agents) one in all.
+        copies = 2 if transfer == "remote_upload" else 1
+        assert res.transfer == ("relay" if transfer == "in_memory" else transfer)
+        assert res.bytes_sent == copies * built.total_size
+        relayed = sorted(t.bytes_relayed for t in res.replicas.values())
+        assert relayed == ([0, 0] if copies == 2 else [0, built.total_size])
     expected = merged_greedy_ids(tiny_model, adapters["a"], PROMPT, 8)
     routed, body = routed_greedy(fleet.router, "policy")
     assert body["lorafleet"]["version"] == 1

@@ -57,6 +57,7 @@ from lorafleet.protocol.agent import (
     AdapterState,
     EngineCapabilities,
     LoadMode,
+    RelayAccept,
     UploadSession,
     engine_name,
 )
@@ -159,11 +160,13 @@ class AdapterService:
 
     # --- commit / register -----------------------------------------------------------------
 
-    async def open_upload(self, manifest: Manifest, *, supersede: bool = False) -> UploadSession:
+    async def open_upload(
+        self, manifest: Manifest, *, supersede: bool = False, relay: RelayAccept | None = None
+    ) -> UploadSession:
         """Open an upload session (see ``UploadManager.open``) once leftovers are cleared."""
         async with self.locks[manifest.name]:
             await self._clear_leftovers(manifest, supersede)
-            return self.uploads.open(manifest, self.check_version)
+            return self.uploads.open(manifest, self.check_version, relay)
 
     async def commit(self, upload_id: str) -> AdapterRecord:
         s = self.uploads.get(upload_id)

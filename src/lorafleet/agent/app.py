@@ -14,8 +14,9 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Header, Request, Response
+from fastapi import Depends, FastAPI, Header, Request, Response, Security
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPBearer
 from prometheus_client import generate_latest
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
@@ -24,6 +25,7 @@ from lorafleet._service import (
     METRICS_RESPONSES,
     JsonBodyLimit,
     MetricsResponse,
+    check_token,
     errors,
     finish_openapi,
     install_error_handlers,
@@ -47,6 +49,7 @@ from lorafleet.protocol.agent import (
     AgentInfo,
     EngineCapabilities,
     FileProgress,
+    ForwardPlan,
     Health,
     LoadRequest,
     OpenUploadRequest,
@@ -129,6 +132,7 @@ class Runtime:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.reconciler.stop()
+        await self.uploads.aclose_relay()
         await self.backend.aclose()
         self.db.close()
 
@@ -210,6 +214,22 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     app.add_middleware(JsonBodyLimit, limit=cfg.json_limit, stream_prefix="/v1/uploads/")
 
     guard = [Depends(token_guard(cfg.token))]
+    relay_bearer = HTTPBearer(
+        scheme_name="controlToken",
+        description="Authorization: Bearer <control token>, or the publication's relay "
+        "credential on a session opened with ``relay``",
+        auto_error=False,
+    )
+
+    def upload_access(request: Request, upload_id: str, _: object = Security(relay_bearer)) -> bool:
+        """The control token, or this session's relay credential (then True: a peer agent)."""
+        authz = request.headers.get("authorization") or ""
+        scheme, _sep, token = authz.partition(" ")
+        if scheme.lower() == "bearer" and token and rt.uploads.relay_peer(upload_id, token.strip()):
+            return True
+        check_token(authz or None, cfg.token)
+        return False
+
     # Every guarded route: a bad parameter or body (400), no or a wrong token (401, 403).
     ctl = (400, 401, 403)
 
@@ -222,8 +242,15 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         responses=errors(*ctl, 409, 413, 503, 507),
     )
     async def open_upload(req: OpenUploadRequest) -> UploadSession:
-        """Open an upload; refuses over-cap files, quota, bad paths and stale versions at once."""
-        return await rt.service.open_upload(req.manifest, supersede=req.supersede)
+        """Open an upload; refuses over-cap files, quota, bad paths and stale versions at once.
+        With ``relay``, peers presenting the publication's credential may PUT its files."""
+        return await rt.service.open_upload(req.manifest, supersede=req.supersede, relay=req.relay)
+
+    @app.post("/v1/uploads/{upload_id}/forward", dependencies=guard, responses=errors(*ctl, 404))
+    async def forward(upload_id: str, plan: ForwardPlan) -> UploadStatus:
+        """Relay: forward these files to these peers' sessions while they stream in (each file
+        from its first byte, once). Refuses a path this session is not about to receive."""
+        return rt.uploads.set_forward(upload_id, plan)
 
     @app.get("/v1/uploads/{upload_id}", dependencies=guard, responses=errors(*ctl, 404))
     async def upload_status(upload_id: str) -> UploadStatus:
@@ -231,7 +258,6 @@ def create_app(cfg: AgentConfig) -> FastAPI:
 
     @app.head(
         "/v1/uploads/{upload_id}/files/{path:path}",
-        dependencies=guard,
         response_class=Response,
         responses={
             200: {
@@ -243,15 +269,16 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             **errors(*ctl, 404),
         },
     )
-    async def upload_offset(upload_id: str, path: str) -> Response:
+    async def upload_offset(
+        upload_id: str, path: str, _peer: bool = Depends(upload_access)
+    ) -> Response:
         """The durable offset of one file, in the Upload-Offset header."""
         off = rt.uploads.offset(upload_id, path)
         return Response(status_code=200, headers={UPLOAD_OFFSET_HEADER: str(off)})
 
     @app.put(
         "/v1/uploads/{upload_id}/files/{path:path}",
-        dependencies=guard,
-        responses=errors(*ctl, 404, 409, 413, 422, 507),
+        responses=errors(*ctl, 404, 408, 409, 413, 422, 507),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -275,6 +302,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         content_digest: str | None = Header(
             None, alias=CONTENT_DIGEST_HEADER, description="RFC 9530: sha-256 of this body."
         ),
+        peer: bool = Depends(upload_access),
     ) -> FileProgress:
         """Stream one file's bytes; verified against the manifest's size and sha256."""
         # The transport's own header (HTTP framing has already checked it), not a parameter.
@@ -288,6 +316,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             content_length=content_length,
             repr_digest=repr_digest,
             content_digest=content_digest,
+            peer=peer,
         )
 
     @app.post(

@@ -8,7 +8,6 @@ it asks the agent for the durable offset (HEAD) and continues from there.
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -32,13 +31,16 @@ from lorafleet.protocol.agent import (
     AdapterRecord,
     AgentInfo,
     FileProgress,
+    ForwardPlan,
     Health,
     LoadMode,
     OpenUploadRequest,
     RegisterPathRequest,
+    RelayAccept,
     UploadSession,
     UploadStatus,
     file_url,
+    repr_digest,
     upload_url,
 )
 
@@ -46,10 +48,7 @@ __all__ = ["AsyncAgentClient"]
 
 Source = str | os.PathLike | bytes | bytearray | memoryview
 Progress = Callable[[int, int], Any]
-
-
-def _repr_digest(sha256_hex: str) -> str:
-    return f"sha-256=:{base64.b64encode(bytes.fromhex(sha256_hex)).decode()}:"
+Sent = Callable[[int], Any]
 
 
 class AsyncAgentClient:
@@ -106,15 +105,25 @@ class AsyncAgentClient:
 
     # --- uploads ---------------------------------------------------------------------------
 
-    async def open_upload(self, manifest: Manifest, *, supersede: bool = False) -> UploadSession:
+    async def open_upload(
+        self, manifest: Manifest, *, supersede: bool = False, relay: RelayAccept | None = None
+    ) -> UploadSession:
         """Open (or re-open) an upload; ``supersede`` retires a failed publication's leftovers
-        first (only for a publisher holding the name's lease)."""
-        body = OpenUploadRequest(manifest=manifest, supersede=supersede).model_dump(mode="json")
+        first (only for a publisher holding the name's lease); ``relay``: peers presenting its
+        credential may send the files."""
+        req = OpenUploadRequest(manifest=manifest, supersede=supersede, relay=relay)
+        body = req.model_dump(mode="json")
         resp = await self._request("POST", "/v1/uploads", json=body)
         return UploadSession.model_validate(resp.json())
 
     async def upload_status(self, upload_id: str) -> UploadStatus:
         resp = await self._request("GET", upload_url(upload_id))
+        return UploadStatus.model_validate(resp.json())
+
+    async def set_forward(self, upload_id: str, plan: ForwardPlan) -> UploadStatus:
+        """Relay: have the agent forward these files to these peers as they stream in."""
+        body = plan.model_dump(mode="json")
+        resp = await self._request("POST", upload_url(upload_id) + "/forward", json=body)
         return UploadStatus.model_validate(resp.json())
 
     async def upload_offset(self, upload_id: str, path: str) -> int:
@@ -129,9 +138,13 @@ class AsyncAgentClient:
         *,
         chunk_size: int = 1 << 20,
         on_progress: Progress | None = None,
+        on_sent: Sent | None = None,
+        resume: bool = False,
     ) -> FileProgress:
         """Send one file (a path, streamed in chunks, or bytes). Resumes after a dropped
-        connection from the agent's durable offset, up to ``max_attempts`` times."""
+        connection from the agent's durable offset, up to ``max_attempts`` times; ``resume``:
+        from the start, too. ``on_progress(offset, size)`` and ``on_sent(nbytes)`` follow each
+        chunk sent (``on_sent`` counts every byte that left, resent ones included)."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.max_attempts),
             wait=wait_exponential(multiplier=0.1, max=2.0),
@@ -142,15 +155,15 @@ class AsyncAgentClient:
                 with attempt:
                     # The agent owns the offset: after a dropped connection, ask it what is
                     # durable and send only the rest (tus-style resume).
-                    first = attempt.retry_state.attempt_number == 1
+                    first = attempt.retry_state.attempt_number == 1 and not resume
                     offset = 0 if first else await self.upload_offset(upload_id, entry.path)
                     headers = {
                         UPLOAD_OFFSET_HEADER: str(offset),
-                        REPR_DIGEST_HEADER: _repr_digest(entry.sha256),
+                        REPR_DIGEST_HEADER: repr_digest(entry.sha256),
                         "Content-Length": str(entry.size - offset),
                         "Content-Type": "application/octet-stream",
                     }
-                    body = _chunks(source, offset, entry.size, chunk_size, on_progress)
+                    body = _chunks(source, offset, entry.size, chunk_size, on_progress, on_sent)
                     resp = await self._request(
                         "PUT", file_url(upload_id, entry.path), content=body, headers=headers
                     )
@@ -209,7 +222,12 @@ class AsyncAgentClient:
 
 
 async def _chunks(
-    source: Source, start: int, size: int, chunk_size: int, on_progress: Progress | None
+    source: Source,
+    start: int,
+    size: int,
+    chunk_size: int,
+    on_progress: Progress | None,
+    on_sent: Sent | None,
 ) -> AsyncIterator[bytes]:
     """The bytes of ``source`` from ``start`` to ``size``, in chunks, with bounded memory."""
     sent = start
@@ -219,6 +237,8 @@ async def _chunks(
             chunk = bytes(view[sent : min(size, sent + chunk_size)])
             yield chunk
             sent += len(chunk)
+            if on_sent:
+                on_sent(len(chunk))
             if on_progress:
                 on_progress(sent, size)
         return
@@ -231,6 +251,8 @@ async def _chunks(
                 break
             yield chunk
             sent += len(chunk)
+            if on_sent:
+                on_sent(len(chunk))
             if on_progress:
                 on_progress(sent, size)
     finally:

@@ -6,6 +6,11 @@ next batch) and stops the moment a file exceeds its declared size. A broken conn
 durable, fsynced prefix whose length ``HEAD`` reports; the running hash stays in memory so a
 resumed PUT does not re-read it. Verified files are fsynced and renamed into ``blobs/sha256/``.
 Sessions live in memory: staging is cleared at startup, so nothing survives a restart half-done.
+
+Relay: a session opened with ``relay`` also takes PUT and HEAD from a peer agent presenting the
+publication's credential, and a ``ForwardPlan`` makes a PUT from offset 0 tee its bytes to the
+plan's targets (``relay.Tee``) while they are written and hashed here. A relayed PUT that gets
+no byte for the plan's ``stall_s`` is cut off with 408 ``transfer_stalled``, keeping its prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import base64
 import binascii
 import contextlib
 import hashlib
+import hmac
 import logging
 import os
 import time
@@ -24,7 +30,11 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import httpx
+
+from lorafleet._http import async_client
 from lorafleet.agent.metrics import Metrics
+from lorafleet.agent.relay import Tee
 from lorafleet.agent.store import Store, free_bytes
 from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import (
@@ -37,11 +47,22 @@ from lorafleet.errors import (
     OffsetMismatch,
     PublishInProgress,
     QuotaExceeded,
+    ServiceError,
     SizeExceeded,
     SizeMismatch,
+    TransferStalled,
     UploadNotFound,
 )
-from lorafleet.protocol.agent import UPLOAD_OFFSET_HEADER, FileProgress, UploadSession, UploadStatus
+from lorafleet.protocol.agent import (
+    UPLOAD_OFFSET_HEADER,
+    FileProgress,
+    ForwardPlan,
+    RelayAccept,
+    RelayHop,
+    UploadSession,
+    UploadStatus,
+    credential_digest,
+)
 
 __all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
 
@@ -70,6 +91,11 @@ class _File:
     complete: bool = False
     task: asyncio.Task | None = None
     """The PUT writing this file now, if any."""
+    error: ServiceError | None = None
+    """Why its last PUT was refused, if it was (reported by ``GET``, for the Publisher)."""
+    relayed: list[RelayHop] = field(default_factory=list)
+    forwarded: bool = False
+    """Its forward plan was used (by the first PUT from offset 0): never a second time."""
 
 
 @dataclass
@@ -82,6 +108,8 @@ class _Session:
     added_blobs: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
     closed: bool = False
+    relay: RelayAccept | None = None
+    forward: ForwardPlan | None = None
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -228,6 +256,20 @@ class UploadManager:
         self.sessions: dict[str, _Session] = {}
         self.pins: Counter[str] = Counter()
         """Blobs a commit or register is about to link: never collected meanwhile."""
+        self._relay_http: httpx.AsyncClient | None = None
+
+    def relay_http(self) -> httpx.AsyncClient:
+        """The client that forwards relayed files (made on first use, on the running loop)."""
+        if self._relay_http is None:
+            self._relay_http = async_client(
+                limits=httpx.Limits(max_connections=64, max_keepalive_connections=16)
+            )
+        return self._relay_http
+
+    async def aclose_relay(self) -> None:
+        if self._relay_http is not None:
+            await self._relay_http.aclose()
+            self._relay_http = None
 
     @contextlib.contextmanager
     def pinned(self, shas: Iterable[str]) -> Iterator[None]:
@@ -244,16 +286,23 @@ class UploadManager:
 
     # --- open ------------------------------------------------------------------------------
 
-    def open(self, manifest: Manifest, check_version: Callable[[Manifest], None]) -> UploadSession:
+    def open(
+        self,
+        manifest: Manifest,
+        check_version: Callable[[Manifest], None],
+        relay: RelayAccept | None = None,
+    ) -> UploadSession:
         """Refuse at once what can be refused from the manifest; else open a session.
 
-        Idempotent: the same manifest (by digest) while its session is open returns that session.
+        Idempotent: the same manifest (by digest) while its session is open returns that session
+        (taking the new ``relay`` grant: the one of the publication that asked last).
         """
         for s in self.sessions.values():
             if s.manifest.name == manifest.name and s.manifest.digest == manifest.digest:
                 # The same bundle again: a publisher whose answer to the first open was lost
                 # (a timeout, a cancelled call) gets its session back, to resume or discard it.
                 s.touch()
+                s.relay, s.forward = relay, None
                 done = [p for p, f in s.files.items() if f.complete]
                 return UploadSession(
                     upload_id=s.id,
@@ -272,7 +321,7 @@ class UploadManager:
         files = {p: _File(manifest.file(p)) for p in missing}
         for p in present:
             files[p] = _File(manifest.file(p), offset=manifest.file(p).size, complete=True)
-        self.sessions[sid] = _Session(sid, manifest, files, missing, reserved=needed)
+        self.sessions[sid] = _Session(sid, manifest, files, missing, reserved=needed, relay=relay)
         return UploadSession(
             upload_id=sid, missing=missing, present=present, expires_in_s=self.limits.ttl_s
         )
@@ -340,6 +389,31 @@ class UploadManager:
             raise NotFound(f"file {path!r} is not in upload {s.id}'s manifest", param=path)
         return f
 
+    def relay_peer(self, upload_id: str, token: str) -> bool:
+        """Does ``token`` open this session's files to a peer (its publication's credential)?"""
+        s = self.sessions.get(upload_id)
+        if s is None or s.closed or s.relay is None:
+            return False
+        return hmac.compare_digest(credential_digest(token), s.relay.credential_sha256)
+
+    def set_forward(self, upload_id: str, plan: ForwardPlan) -> UploadStatus:
+        """Install where this session's files go on (see ``ForwardPlan``). Raises
+        ``InvalidRequest`` for a path that is not one this session still receives."""
+        s = self.get(upload_id)
+        for path in plan.files:
+            f = s.files.get(path)
+            if f is None or f.complete or f.forwarded or f.offset or f.task is not None:
+                raise InvalidRequest(
+                    f"{path!r} is not a file that upload {s.id} is about to receive from its "
+                    "first byte",
+                    param="files",
+                )
+            if any(t.upload_id == s.id for t in plan.files[path]):
+                raise InvalidRequest(f"{path!r}: a session cannot forward to itself", param="files")
+        s.forward = plan
+        s.touch()
+        return self.status(upload_id)
+
     def offset(self, upload_id: str, path: str) -> int:
         s = self.get(upload_id)
         s.touch()
@@ -366,7 +440,10 @@ class UploadManager:
         content_length: int | None,
         repr_digest: str | None,
         content_digest: str | None,
+        peer: bool = False,
     ) -> FileProgress:
+        """Receive one file's bytes from ``offset``. ``peer``: sent by a relaying agent (cut off
+        after the session's ``stall_s`` without a byte)."""
         s = self.get(upload_id)
         f = self._file(s, path)
         entry = f.entry
@@ -403,18 +480,42 @@ class UploadManager:
                 f"declared size of {entry.size} bytes",
                 param=path,
             )
+        tee = None
+        plan = s.forward
+        if plan is not None and start == 0 and not f.forwarded and plan.files.get(path):
+            f.forwarded = True
+            tee = Tee(self.relay_http(), plan.files[path], entry, plan.credential, plan.stall_s)
+        if peer and s.relay is not None:
+            body = _stall_guard(body, s.relay.stall_s)
         f.task = asyncio.current_task()
+        f.error, f.relayed = None, []
         s.touch()
         t0 = time.perf_counter()
         try:
-            return await self._receive(s, f, body, chunk_want)
+            return await self._receive(s, f, body, chunk_want, tee)
+        except TimeoutError:
+            if not peer or s.relay is None:
+                raise
+            f.error = TransferStalled(
+                f"{path!r}: no byte for {s.relay.stall_s:g} s; {f.offset} bytes are durable",
+                headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
+            )
+            raise f.error from None
+        except ServiceError as exc:
+            f.error = exc
+            raise
         finally:
             f.task = None
             s.touch()
             self.metrics.upload_seconds.observe(time.perf_counter() - t0)
 
     async def _receive(
-        self, s: _Session, f: _File, body: AsyncIterator[bytes], chunk_want: str | None
+        self,
+        s: _Session,
+        f: _File,
+        body: AsyncIterator[bytes],
+        chunk_want: str | None,
+        tee: Tee | None,
     ) -> FileProgress:
         entry = f.entry
         partial = self.store.partial_path(s.id, entry.path)
@@ -452,6 +553,8 @@ class UploadManager:
                         f"{entry.path!r}: more bytes than the declared size of {entry.size}",
                         param=entry.path,
                     )
+                if tee is not None:
+                    await tee.feed(chunk)  # the next hop gets it before this one writes it
                 received += len(chunk)
                 parts.append(chunk)
                 nbuf += len(chunk)
@@ -487,6 +590,10 @@ class UploadManager:
                 f.offset = received  # all written and fsynced; the running hash matches
             if s.closed:
                 self.store.remove_upload(s.id)
+            if tee is not None and (cancelled or received != entry.size):
+                # This copy broke off: so do the forwarded ones (each keeps its durable prefix).
+                f.relayed = await tee.abort(f"the upstream copy broke off after {received} bytes")
+                tee = None
             if cancelled:
                 raise asyncio.CancelledError
         if pipe.error is not None:
@@ -504,6 +611,10 @@ class UploadManager:
             self._reset(s, f)
             return kind(f"{entry.path!r}: {message}", param=entry.path)
 
+        if tee is not None:
+            # Every byte went on: the targets judge their copies themselves (a corrupt one is
+            # refused there too), and their verdicts are reported whatever this copy's is.
+            f.relayed = await tee.finish()
         if received != entry.size:
             raise refuse(SizeMismatch, f"declared {entry.size} bytes, received {received}")
         if chash is not None and chash.hexdigest() != chunk_want:
@@ -588,6 +699,18 @@ class UploadManager:
         return len(stale)
 
 
+async def _stall_guard(body: AsyncIterator[bytes], stall_s: float) -> AsyncIterator[bytes]:
+    """``body``, raising ``TimeoutError`` once no chunk has come for ``stall_s``."""
+    it = aiter(body)
+    while True:
+        try:
+            async with asyncio.timeout(stall_s):
+                chunk = await anext(it)
+        except StopAsyncIteration:
+            return
+        yield chunk
+
+
 def _progress(f: _File) -> FileProgress:
     return FileProgress(
         path=f.entry.path,
@@ -595,4 +718,8 @@ def _progress(f: _File) -> FileProgress:
         sha256=f.entry.sha256,
         offset=f.offset,
         complete=f.complete,
+        receiving=f.task is not None,
+        error_code=f.error.code if f.error else None,
+        error=f.error.message if f.error else None,
+        relayed=f.relayed,
     )

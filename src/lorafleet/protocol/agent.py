@@ -9,6 +9,16 @@ Upload flow (all under the control token)::
     POST   /v1/uploads/{upload_id}/commit        -> AdapterRecord (state "staged")
     DELETE /v1/uploads/{upload_id}               -> 204, staged bytes removed
 
+Relay (one publication's bytes sent once and forwarded agent to agent while they stream in)::
+
+    POST   /v1/uploads                           OpenUploadRequest with ``relay``: this session
+                                                 also takes PUT/HEAD from a peer that presents the
+                                                 publication's credential (its sha-256 is given)
+    POST   /v1/uploads/{upload_id}/forward       ForwardPlan -> UploadStatus: while a file of this
+                                                 session streams in from offset 0, tee it to the
+                                                 plan's targets (and nowhere else)
+    GET    /v1/uploads/{upload_id}               ``FileProgress.relayed``: each hop's outcome
+
 Adapters::
 
     POST   /v1/adapters/register   RegisterPathRequest (shared filesystem) -> AdapterRecord
@@ -27,9 +37,12 @@ Adapters::
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from enum import Enum
 from typing import Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lorafleet.bundle.manifest import FileEntry, Manifest
@@ -38,6 +51,7 @@ from lorafleet.protocol.names import AdapterName, Version
 
 __all__ = [
     "CONTENT_DIGEST_HEADER",
+    "MAX_FANOUT",
     "REPR_DIGEST_HEADER",
     "UPLOAD_OFFSET_HEADER",
     "ActivateRequest",
@@ -49,19 +63,26 @@ __all__ = [
     "EngineCapabilities",
     "FileEntry",
     "FileProgress",
+    "ForwardPlan",
+    "ForwardTarget",
     "Health",
     "LoadMode",
     "LoadRequest",
     "Manifest",
     "OpenUploadRequest",
     "RegisterPathRequest",
+    "RelayAccept",
+    "RelayHop",
     "UnloadRequest",
     "UploadSession",
     "UploadStatus",
     "VerifyRequest",
     "check_local_path",
+    "check_peer_url",
+    "credential_digest",
     "engine_name",
     "file_url",
+    "repr_digest",
     "upload_url",
 ]
 
@@ -114,8 +135,48 @@ def check_local_path(path: str) -> str:
     return path
 
 
+UPLOAD_ID_PATTERN = r"^[0-9a-f]{32}$"
+MAX_FANOUT = 16
+"""The most targets one agent forwards one file to."""
+
+
+def repr_digest(sha256_hex: str) -> str:
+    """An RFC 9530 ``Repr-Digest``/``Content-Digest`` value for a hex sha-256."""
+    return f"sha-256=:{base64.b64encode(bytes.fromhex(sha256_hex)).decode()}:"
+
+
+def credential_digest(credential: str) -> str:
+    """The hex sha-256 of a relay credential: what a receiving agent is given and compares."""
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def check_peer_url(url: str) -> str:
+    """``url`` as an agent's base URL (``http(s)://host[:port]``, no path, query or user);
+    raise ``ValueError`` otherwise. Returned without a trailing slash."""
+    try:
+        u = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"not a URL: {exc}") from None
+    if u.scheme not in ("http", "https") or not u.host:
+        raise ValueError("an agent URL is http(s)://host[:port]")
+    if u.userinfo or u.query or u.fragment or u.path not in ("", "/"):
+        raise ValueError("an agent URL has no user, path, query or fragment")
+    return url.rstrip("/")
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class RelayAccept(_Model):
+    """A session that takes relayed bytes: PUT and HEAD on its files are also allowed to a peer
+    agent presenting the credential whose sha-256 this is (minted by the Publisher for one
+    publication; it dies with the session, and opens nothing else)."""
+
+    credential_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    stall_s: float = Field(10.0, gt=0, le=600)
+    """A relayed PUT that receives no byte for this long is cut off (its durable prefix stays,
+    for the Publisher to resume)."""
 
 
 class OpenUploadRequest(_Model):
@@ -124,6 +185,54 @@ class OpenUploadRequest(_Model):
     """Remove this name's never-activated leftovers first (records of this version or newer
     from a publication that failed, e.g. while an engine was down). Only a publisher that holds
     the name's lease at the router may ask; otherwise a clash is refused (409)."""
+    relay: RelayAccept | None = None
+
+
+class ForwardTarget(_Model):
+    """One peer's upload session that this agent forwards a file to."""
+
+    url: str = Field(max_length=2048)
+    upload_id: str = Field(pattern=UPLOAD_ID_PATTERN)
+    answer_timeout_s: float = Field(gt=0, le=86400)
+    """How long to wait for the peer's verdict after its last byte (its own subtree included)."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return check_peer_url(v)
+
+
+class ForwardPlan(_Model):
+    """Where one session's files go on: path -> targets. Set by the Publisher (control token);
+    an agent forwards to these targets only, presenting ``credential`` to them."""
+
+    credential: str = Field(min_length=16, max_length=256, pattern=r"^[A-Za-z0-9_-]+$")
+    stall_s: float = Field(10.0, gt=0, le=600)
+    """A target that takes no byte for this long is dropped (and left for the Publisher)."""
+    files: dict[str, list[ForwardTarget]] = Field(max_length=4096)
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: dict[str, list[ForwardTarget]]) -> dict[str, list[ForwardTarget]]:
+        for path, targets in v.items():
+            if len(targets) > MAX_FANOUT:
+                raise ValueError(f"{path!r}: at most {MAX_FANOUT} targets per file")
+            if len({(t.url, t.upload_id) for t in targets}) != len(targets):
+                raise ValueError(f"{path!r}: a target appears twice")
+        return v
+
+
+class RelayHop(_Model):
+    """What became of one forwarded copy: the target agent's verdict, or why there was none."""
+
+    url: str
+    upload_id: str
+    path: str
+    ok: bool
+    """The target verified the whole file."""
+    code: str | None = None
+    """Its error code (``digest_mismatch``, ...), ``transport`` (no answer) or ``stalled``."""
+    detail: str | None = None
 
 
 class UploadSession(_Model):
@@ -141,6 +250,13 @@ class FileProgress(_Model):
     offset: int
     """Bytes durably received (fsynced). A resumed PUT starts here."""
     complete: bool
+    receiving: bool = False
+    """A PUT is writing this file now."""
+    error_code: str | None = None
+    """Why the last PUT of this file was refused (``digest_mismatch``, ...), if it was."""
+    error: str | None = None
+    relayed: list[RelayHop] = Field(default_factory=list)
+    """Relay: each forwarded copy's outcome, this agent's targets and theirs in turn."""
 
 
 class UploadStatus(_Model):

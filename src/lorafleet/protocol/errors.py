@@ -58,6 +58,7 @@ class ErrorCode:
     NO_REPLICA = "no_replica"
     UNKNOWN_REPLICA = "unknown_replica"
     STREAM_INTERRUPTED = "stream_interrupted"
+    TRANSFER_STALLED = "transfer_stalled"
     INTERNAL = "internal_error"
 
 
@@ -73,6 +74,7 @@ STATUS_BY_CODE: dict[str, int] = {
     ErrorCode.UPLOAD_NOT_FOUND: 404,
     ErrorCode.ADAPTER_NOT_FOUND: 404,
     ErrorCode.VERSION_NOT_ROUTABLE: 404,
+    ErrorCode.TRANSFER_STALLED: 408,
     ErrorCode.STALE_VERSION: 409,
     ErrorCode.ADAPTER_CONFLICT: 409,
     ErrorCode.VERSION_CONFLICT: 409,

@@ -14,7 +14,7 @@ from lorafleet.protocol.router import SessionPolicy
 __all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
 
 Mode = Literal["atomic", "in_place"]
-Transfer = Literal["remote_upload", "shared_filesystem"]
+Transfer = Literal["remote_upload", "relay", "shared_filesystem"]
 ProgressCallback = Callable[[str, int, int], None]
 """``on_progress(replica_id, bytes_sent_so_far, bytes_to_send)``."""
 
@@ -39,6 +39,10 @@ class Plan:
     sessions: SessionPolicy = "pin"
     previous_window: tuple[int, ...] = ()
     """The versions routable when the publication began, newest first."""
+    relay_fanout: int = 1
+    """Relay: how many agents each agent forwards a file to (1: a chain)."""
+    relay_stall_s: float = 10.0
+    """Relay: a hop that moves no byte for this long is dropped and resumed by the Publisher."""
 
     @property
     def name(self) -> str:

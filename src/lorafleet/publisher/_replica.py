@@ -15,8 +15,15 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.bundle.manifest import FileEntry
 from lorafleet.errors import EngineUnavailable, LorafleetError
-from lorafleet.protocol.agent import AdapterState, AgentInfo
+from lorafleet.protocol.agent import (
+    AdapterState,
+    AgentInfo,
+    FileProgress,
+    RelayAccept,
+    UploadSession,
+)
 from lorafleet.publisher._errors import is_not_found, reason
 from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher.result import ReplicaState, ReplicaTiming, Timeouts
@@ -59,6 +66,8 @@ class ReplicaTxn:
         self.timing = ReplicaTiming(replica=agent.id, agent_url=agent.url)
         self.upload_id: str | None = None
         """The upload session this publication opened and has not committed yet."""
+        self.missing: list[str] = []
+        """The paths its open session still needs (the rest it holds already)."""
         self.touched = False
         """The agent may hold something of this publication (a session, a record, a load)."""
         self.rollback_pending = False
@@ -68,6 +77,50 @@ class ReplicaTxn:
     def id(self) -> str:
         return self.agent.id
 
+    async def open(self, relay: RelayAccept | None = None) -> UploadSession:
+        """Open (or re-open) this publication's upload session; ``relay``: peers may send."""
+        self.touched = True
+        session = await asyncio.wait_for(
+            self.agent.client.open_upload(
+                self.plan.bundle.manifest, supersede=self.plan.supersede, relay=relay
+            ),
+            self.timeouts.commit,
+        )
+        self.upload_id, self.missing = session.upload_id, session.missing
+        self.timing.files_deduplicated = len(self.plan.bundle.files) - len(session.missing)
+        return session
+
+    async def send(self, entry: FileEntry, *, resume: bool = False) -> FileProgress:
+        """Upload one file from the Publisher (``resume``: from the agent's durable offset).
+        Counts the bytes that left the Publisher in ``timing.bytes_sent``."""
+        assert self.upload_id is not None
+        total = sum(self.plan.bundle.manifest.file(p).size for p in self.missing)
+
+        def sent(n: int) -> None:
+            self.timing.bytes_sent += n
+            if self.on_progress:
+                self.on_progress(self.id, self.timing.bytes_sent, total)
+
+        prog = await asyncio.wait_for(
+            self.agent.client.upload_file(
+                self.upload_id,
+                entry,
+                self.plan.bundle.source(entry.path),
+                on_sent=sent,
+                resume=resume,
+            ),
+            self.timeouts.upload,
+        )
+        self.timing.files_sent += 1
+        return prog
+
+    async def commit(self) -> None:
+        """Commit the open session: the agent verifies the whole bundle and stages it."""
+        assert self.upload_id is not None
+        await asyncio.wait_for(self.agent.client.commit(self.upload_id), self.timeouts.commit)
+        self.upload_id = None  # committed: the agent closed the session and its staging
+        self.timing.state = ReplicaState.STAGED
+
     async def stage(self) -> None:
         """Get the bundle's files into the agent's store: upload what it lacks and commit, or
         register the shared path. Raises ``LorafleetError`` (the agent refused, or did not
@@ -76,34 +129,12 @@ class ReplicaTxn:
         t = time.perf_counter()
         self.touched = True
         if self.plan.transfer == "remote_upload":
-            session = await asyncio.wait_for(
-                client.open_upload(bundle.manifest, supersede=self.plan.supersede),
-                self.timeouts.commit,
-            )
-            self.upload_id = session.upload_id
-            missing = [bundle.manifest.file(p) for p in session.missing]
-            total = sum(f.size for f in missing)
-            timing.files_deduplicated = len(bundle.files) - len(missing)
-            sent = 0
-            for entry in missing:
-
-                def progress(done: int, _size: int, before: int = sent) -> None:
-                    if self.on_progress:
-                        self.on_progress(self.id, before + done, total)
-
-                await asyncio.wait_for(
-                    client.upload_file(
-                        session.upload_id, entry, bundle.source(entry.path), on_progress=progress
-                    ),
-                    self.timeouts.upload,
-                )
-                sent += entry.size
-                timing.files_sent += 1
-            timing.bytes_sent = sent
+            await self.open()
+            for path in self.missing:
+                await self.send(bundle.manifest.file(path))
             timing.upload_s = time.perf_counter() - t
             t = time.perf_counter()
-            await asyncio.wait_for(client.commit(session.upload_id), self.timeouts.commit)
-            self.upload_id = None  # committed: the agent closed the session and its staging
+            await self.commit()
         else:
             await asyncio.wait_for(
                 client.register_path(
@@ -141,7 +172,7 @@ class ReplicaTxn:
         and why (also in ``timing.rollback``); raises nothing."""
         plan, client = self.plan, self.agent.client
         problems: list[str] = []
-        if self.upload_id is None and self.touched and plan.transfer == "remote_upload":
+        if self.upload_id is None and self.touched and plan.transfer != "shared_filesystem":
             # The answer to our open may have been lost (cancelled or timed out in flight):
             # opening the same manifest again returns that session, if there is one.
             with contextlib.suppress(LorafleetError):

@@ -27,6 +27,7 @@ from tenacity import (
 from lorafleet.errors import LorafleetError, PublishError, RemoteError
 from lorafleet.publisher._errors import is_not_found, publish_error_class, reason
 from lorafleet.publisher._plan import Plan, ProgressCallback
+from lorafleet.publisher._relay import Relay
 from lorafleet.publisher._replica import Agent, ReplicaTxn
 from lorafleet.publisher.result import PublishResult, ReplicaState, Timeouts
 from lorafleet.router.client import AsyncRouterClient
@@ -135,15 +136,27 @@ class Publication:
         """Stage and load v on every replica concurrently, waiting for every one. Any failure
         rolls back everywhere, then raises ``PublishError`` naming each failing replica."""
 
+        relayed = self.plan.transfer == "relay"
+
         async def stage_and_load(rep: ReplicaTxn) -> None:
-            await rep.stage()
+            if relayed:
+                t = time.perf_counter()
+                await rep.commit()
+                rep.timing.verify_s = time.perf_counter() - t
+            else:
+                await rep.stage()
             await rep.load()
             if self.plan.verify:
                 await rep.verify()
 
         try:
-            outcomes = await asyncio.gather(
-                *(stage_and_load(r) for r in self.replicas), return_exceptions=True
+            lost = await Relay(self.plan, self.replicas).run() if relayed else {}
+            outcomes = (
+                list(lost.get(r.id) for r in self.replicas)
+                if lost
+                else await asyncio.gather(
+                    *(stage_and_load(r) for r in self.replicas), return_exceptions=True
+                )
             )
         except BaseException:  # cancelled (or interrupted): nothing of v may stay behind
             self.failures["publisher"] = "cancelled"

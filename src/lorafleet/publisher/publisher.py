@@ -40,7 +40,7 @@ from lorafleet.errors import (
     TransportError,
     VersionConflict,
 )
-from lorafleet.protocol.agent import AdapterState
+from lorafleet.protocol.agent import MAX_FANOUT, AdapterState
 from lorafleet.protocol.names import check_name
 from lorafleet.protocol.router import SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
@@ -79,14 +79,27 @@ class AsyncPublisher:
         holder: str | None = None,
         on_progress: ProgressCallback | None = None,
         verify: bool = True,
+        relay_fanout: int = 1,
+        relay_stall_s: float = 10.0,
     ) -> None:
         """Raises ``ValueError`` without agents. Connects to nothing until the first call.
 
         ``verify``: before the cutover, each agent checks that its engine applies the new
         version, asked the way the router will ask (``AdapterNotApplied`` fails the replica).
+
+        ``relay_fanout``, ``relay_stall_s``: the relay transfer's tree (each agent forwards a
+        file to this many others; 1 is a chain) and how long a hop may move no byte before it
+        is dropped and resumed from the Publisher. Agents reach each other at the URLs given
+        here, so these must be reachable from the agents too.
         """
         if not agents:
             raise ValueError("a Publisher needs at least one agent URL")
+        if not 1 <= relay_fanout <= MAX_FANOUT:
+            raise ValueError(f"relay_fanout is between 1 and {MAX_FANOUT}")
+        if not 0 < relay_stall_s <= 600:
+            raise ValueError("relay_stall_s is a positive number of seconds, at most 600")
+        self.relay_fanout = relay_fanout
+        self.relay_stall_s = relay_stall_s
         self.timeouts = timeouts or Timeouts()
         self.shared_dir = Path(shared_dir) if shared_dir else None
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -123,7 +136,7 @@ class AsyncPublisher:
         name: str,
         version: int | None = None,
         mode: Mode | None = None,
-        transfer: Transfer = "remote_upload",
+        transfer: Transfer | None = None,
         config: Mapping[str, Any] | None = None,
         base_model: str | None = None,
         max_rank: int | None = None,
@@ -140,6 +153,11 @@ class AsyncPublisher:
         refuses pins and sessions further behind the newest. Each replica must hold
         ``keep_versions + 1`` versions of the name during a publication, beside its other
         adapters: one that cannot is refused, by name, before any byte moves.
+
+        ``transfer``: how the bytes move. ``relay`` (the default for two or more agents): each
+        file leaves here once and the agents forward it to each other while it streams in, each
+        verifying its own copy (``_relay.py``); ``remote_upload``: one copy from here to each
+        agent; ``shared_filesystem``: written once under ``shared_dir`` for the agents to read.
 
         ``source``: an ``AdapterBundle``, a PEFT directory, a ``PeftModel`` (serialized in memory)
         or a LoRA state dict with ``config=`` (a native-only checkpoint). ``version=None`` takes
@@ -160,7 +178,9 @@ class AsyncPublisher:
             raise ValueError("keep_versions is a positive count, above 1 only in atomic mode")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness cannot be negative")
-        if transfer not in ("remote_upload", "shared_filesystem"):
+        if transfer is None:
+            transfer = "relay" if len(self._agents) > 1 else "remote_upload"
+        if transfer not in ("remote_upload", "relay", "shared_filesystem"):
             raise ValueError(f"unknown transfer mode {transfer!r}")
         if transfer == "shared_filesystem" and self.shared_dir is None:
             raise ValueError("shared_filesystem transfer needs Publisher(shared_dir=...)")
@@ -197,6 +217,8 @@ class AsyncPublisher:
                     max_staleness=max_staleness,
                     sessions=sessions,
                     previous_window=window,
+                    relay_fanout=self.relay_fanout,
+                    relay_stall_s=self.relay_stall_s,
                 )
                 publication = Publication(
                     plan,

@@ -38,6 +38,9 @@ class ReplicaTiming:
     """Whether the engine was seen to apply the version before the cutover: ``applied``,
     ``unverifiable`` (its delta is zero or too small to show), ``not_applied``, ``unchecked``."""
     bytes_sent: int = 0
+    """Bytes that left the Publisher for this replica (its share of the trainer's egress)."""
+    bytes_relayed: int = 0
+    """Relay: bytes this replica received from another agent and verified."""
     files_sent: int = 0
     files_deduplicated: int = 0
     error: str | None = None
@@ -65,6 +68,7 @@ class PublishResult:
     retire_s: float
     """Recording v as active, draining v-1 and releasing older versions (after serving)."""
     bytes_sent: int
+    """Bytes that left the Publisher in all (the trainer's egress)."""
     active_version: int
     replicas: dict[str, ReplicaTiming] = field(default_factory=dict)
     retired_versions: list[int] = field(default_factory=list)
