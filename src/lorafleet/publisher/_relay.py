@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from lorafleet.bundle.manifest import FileEntry
 from lorafleet.errors import (
     LorafleetError,
+    TransportError,
     UploadNotFound,
     error_for,
 )
@@ -206,6 +207,12 @@ class Relay:
             except UploadNotFound:
                 await rep.open()
                 return None
+            except TransportError:
+                # Down, perhaps restarting (a supervisor's job): ask again until the deadline.
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_SETTLE_POLL_S * 3)
+                continue
             state = next(f for f in status.files if f.path == entry.path)
             if not state.receiving or time.monotonic() > deadline:
                 return state

@@ -1,0 +1,599 @@
+"""The relay transfer against the star, beside this machine's own limits measured in the same run.
+
+Three parts (``--parts``, default all three):
+
+``shaped`` (needs root and network namespaces; skipped with the reason otherwise): a
+``lorafleet.testing.netbed.NetBed`` with 4 replica hosts and a trainer host, every host's egress
+shaped to ``--rate`` (400mbit). Each replica runs a reference engine and an agent (max LoRA rank
+``--rank``); the trainer runs one router per fleet size N in 1, 2, 4 (over the first N agents) and
+one Publisher process (``ip netns exec``) with a Publisher per N. The adapter is a real PEFT
+adapter on the tiny model, all-linear LoRA at rank ``--rank`` (4096 * r fp32 parameters: r=4096
+is 64 MiB), with new bytes for every publication (agents deduplicate by content). For each run,
+interleaved: N in 1, 2, 4 and transfer in relay / remote_upload (the star), one publication each
+(after one warm-up publication per N). Recorded: ``duration_s``, the transfer (the slowest
+replica's ``upload_s``), ``bytes_sent`` and the trainer's egress (``tx_bytes`` of its link around
+the call). The bed's own limit, each run: a raw TCP transfer of the adapter's size trainer -> r1
+(plain sockets), and a raw chain trainer -> r1 -> r2 -> r3 -> r4 whose hops forward as they read.
+From the medians: t(N)/t(1) per transfer (target for relay: t(4)/t(1) <= 1.15), egress in
+adapter copies (target for relay: 1), the per-hop pipeline latency h = (t_relay(4) -
+t_relay(1)) / 3, and the model t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed), S/R being the
+raw transfer and fixed = t(1) - S/R.
+
+``loopback``: 4 engine-less agents on 127.0.0.1 and a ``--mib`` (1024) random file. star = one
+``upload_file`` to each agent at once from this process; relay = every session opened with a
+``RelayAccept``, agents 0..2 told to forward to the next (``set_forward``), one ``upload_file`` to
+agent 0, answered once the whole chain verified (3 ok hops, asserted). Sessions are opened before
+and discarded after the timed part. Limits, each run: sha256 and write+fsync throughput, and the
+floor for 4 verified copies on this machine, max(4 S / write+fsync, 4 S / (cores * sha256)).
+
+``cpu``: agent CPU seconds (user+sys, psutil) per verified GiB for a plain upload to one agent
+and for the middle agents of the relay chain (receive from a peer, forward, verify), against the
+CPU seconds of sha256 over the same file in 1 MiB chunks in this process (``time.process_time``
+around the updates). Efficiency = sha256 CPU / agent CPU (target >= 0.75). Shares the loopback
+agents; its arms are interleaved with the loopback ones.
+
+Usage: python bench/relay.py [--parts shaped,loopback,cpu] [--runs 3] [--rate 400mbit]
+       [--rank 4096] [--mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from _limits import write_fsync_rate
+from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.bundle import AdapterBundle
+from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.launch import AgentSpec, Launcher, Server
+from lorafleet.protocol.agent import (
+    ForwardPlan,
+    ForwardTarget,
+    RelayAccept,
+    UploadSession,
+    credential_digest,
+)
+from lorafleet.testing import netbed
+
+MiB = 1 << 20
+GiB = 1 << 30
+CHUNK = 4 * MiB
+SIZES = (1, 2, 4)
+TRANSFERS = ("relay", "remote_upload")
+LABEL = {"relay": "relay", "remote_upload": "star"}
+CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
+
+# The Publisher process in the trainer's namespace: one Publisher per fleet size; one JSON
+# request per line on stdin (adapter, n, transfer, name), one "RESULT <json>" line per answer.
+TRAINER = r"""
+import dataclasses, json, os, sys
+from lorafleet.publisher import Publisher
+
+cfg = json.loads(sys.stdin.readline())
+token = os.environ["RELAY_BENCH_TOKEN"]
+pubs = {n: Publisher(urls, router, token=token) for n, (urls, router) in cfg.items()}
+print("READY", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    try:
+        res = pubs[req["n"]].publish(req["adapter"], name=req["name"], transfer=req["transfer"])
+        out = {"ok": True, **dataclasses.asdict(res)}
+    except Exception as exc:
+        out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    print("RESULT " + json.dumps(out, default=str), flush=True)
+for pub in pubs.values():
+    pub.close()
+"""
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def loadavg() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# -- A: the shaped bed ---------------------------------------------------------------------------
+
+
+def make_adapters(model: Path, out: Path, count: int, rank: int) -> list[Path]:
+    """``count`` real PEFT adapters (all-linear, rank ``rank``), each with different bytes."""
+    import torch
+
+    from lorafleet.testing import ALL_LINEAR, make_peft_model
+
+    peft = make_peft_model(model, r=rank, seed=14, target_modules=ALL_LINEAR)
+    lora = [p for n, p in peft.named_parameters() if "lora_" in n]
+    dirs = []
+    with torch.no_grad():
+        for i in range(count):
+            for p in lora:
+                p.mul_(1.0 + 1e-3)  # new bytes everywhere, same scale
+            d = out / f"adapter{i:02d}"
+            peft.save_pretrained(str(d))
+            dirs.append(d)
+    os.sync()
+    return dirs
+
+
+def raw_chain(bed: netbed.NetBed, hosts: list[netbed.Host], n: int) -> float:
+    """Seconds to move ``n`` bytes trainer -> hosts[0] -> ... -> hosts[-1] over plain TCP, each
+    hop forwarding what it reads as it reads it (connections made before the clock starts)."""
+    listeners, outs = [], []
+    for host in hosts:
+        with bed.inside(host):
+            listeners.append(socket.create_server((host.addr, 0)))
+            outs.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    with bed.inside(bed.trainer):
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    outs = [client, *outs[:-1]]  # the sender into each hop: created in the sender's namespace
+    conns = []
+    try:
+        for sender, host, lst in zip(outs, hosts, listeners, strict=True):
+            sender.connect((host.addr, lst.getsockname()[1]))
+            conns.append(lst.accept()[0])
+        received = 0
+        done = threading.Event()
+
+        def hop(i: int) -> None:
+            nonlocal received
+            buf = bytearray(MiB)
+            view = memoryview(buf)
+            nxt = outs[i + 1] if i + 1 < len(hosts) else None
+            while k := conns[i].recv_into(buf):
+                if nxt is None:
+                    received += k
+                else:
+                    nxt.sendall(view[:k])
+            if nxt is None:
+                done.set()
+            else:
+                nxt.shutdown(socket.SHUT_WR)
+
+        for i in range(len(hosts)):
+            threading.Thread(target=hop, args=(i,), daemon=True).start()
+        data = bytes(n)
+        t = time.perf_counter()
+        client.sendall(data)
+        client.shutdown(socket.SHUT_WR)
+        if not done.wait(120):
+            raise RuntimeError("the raw chain never delivered its last byte")
+        elapsed = time.perf_counter() - t
+        if received != n:
+            raise RuntimeError(f"the raw chain delivered {received} of {n} bytes")
+        return elapsed
+    finally:
+        for s in (*conns, *outs, *listeners):
+            s.close()
+
+
+class Trainer:
+    """The Publisher process in the trainer's namespace."""
+
+    def __init__(self, bed: netbed.NetBed, cfg: dict, token: str, log: Path) -> None:
+        self.log = log
+        self._err = open(log, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [*bed.exec_prefix(bed.trainer), sys.executable, "-c", TRAINER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            env={**os.environ, "RELAY_BENCH_TOKEN": token},
+        )
+        self._send(cfg)
+        self._read("READY")
+
+    def _send(self, obj: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise RuntimeError(f"the trainer process ended: {self.log.read_text()[-3000:]}")
+
+    def publish(self, **req: Any) -> dict:
+        self._send(req)
+        out = json.loads(self._read("RESULT "))
+        if not out["ok"]:
+            raise RuntimeError(f"publication {req} failed: {out['error']}")
+        return out
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
+def part_shaped(args: argparse.Namespace, work: Path) -> None:
+    print(f"\n== shaped bed: 4 replicas, {args.rate}, all-linear LoRA r={args.rank} ==")
+    if (why := netbed.netns_available()) is not None:
+        print(f"skipped: {why}")
+        return
+    from lorafleet.tinymodel import ensure_tiny_model
+
+    model = ensure_tiny_model()
+    t = time.perf_counter()
+    adapters = make_adapters(model, work / "adapters", len(SIZES) * (1 + 2 * args.runs), args.rank)
+    size = AdapterBundle.from_dir(adapters[0], name="x").total_size
+    print(
+        f"{len(adapters)} adapters of {size / MiB:.2f} MiB made in {time.perf_counter() - t:.1f} s"
+    )
+    token = secrets.token_urlsafe(16)
+    rows: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    raw1: list[float] = []
+    chain4: list[float] = []
+    with (
+        netbed.NetBed(4, rate=args.rate) as bed,
+        Launcher(work / "logs-shaped") as launcher,
+    ):
+        t = time.perf_counter()
+        replicas = netbed.start_replicas(
+            bed,
+            launcher,
+            model,
+            work / "data",
+            token=token,
+            engine_kwargs={"max_lora_rank": args.rank},
+            max_lora_rank=args.rank,
+        )
+        routers = {n: netbed.start_router(bed, launcher, replicas[:n], token=token) for n in SIZES}
+        print(f"{bed}: engines, agents and routers up in {time.perf_counter() - t:.1f} s")
+        cfg = {str(n): [[r.url for r in replicas[:n]], routers[n].url] for n in SIZES}
+        trainer = Trainer(bed, cfg, token, work / "trainer.log")
+        try:
+            it = iter(adapters)
+            for n in SIZES:  # warm-up: the first publication of a name retires nothing
+                trainer.publish(adapter=str(next(it)), n=str(n), transfer="relay", name=f"p{n}")
+            for run in range(args.runs):
+                raw1.append(raw_chain(bed, bed.replicas[:1], size))
+                chain4.append(raw_chain(bed, bed.replicas[:4], size))
+                print(
+                    f"run {run + 1} (load {loadavg()}): raw TCP trainer->r1 {raw1[-1]:.3f} s, "
+                    f"raw chain trainer->r1..r4 {chain4[-1]:.3f} s",
+                    flush=True,
+                )
+                order = TRANSFERS if run % 2 == 0 else TRANSFERS[::-1]
+                for n in SIZES:
+                    for transfer in order:
+                        before = bed.tx_bytes(bed.trainer)
+                        res = trainer.publish(
+                            adapter=str(next(it)), n=str(n), transfer=transfer, name=f"p{n}"
+                        )
+                        egress = bed.tx_bytes(bed.trainer) - before
+                        reps = res["replicas"].values()
+                        row = {
+                            "duration": res["duration_s"],
+                            "build": res["build_s"],
+                            "serving": res["serving_s"],
+                            "upload": max(r["upload_s"] for r in reps),
+                            "load": max(r["load_s"] for r in reps),
+                            "bytes_sent": res["bytes_sent"],
+                            "egress": egress,
+                            "relayed": sum(r["bytes_relayed"] for r in reps),
+                        }
+                        assert res["transfer"] == transfer, res["transfer"]
+                        rows[n, transfer].append(row)
+                        print(
+                            f"  N={n} {LABEL[transfer]:5s}: {row['duration']:.3f} s (upload "
+                            f"{row['upload']:.3f}, load {row['load']:.3f}), bytes_sent "
+                            f"{row['bytes_sent'] / size:.2f}x, egress {egress / size:.3f}x, "
+                            f"relayed {row['relayed'] / size:.2f}x",
+                            flush=True,
+                        )
+        finally:
+            trainer.close()
+
+    sr = med(raw1)
+    print(
+        f"\nmedians over {args.runs} runs; adapter S = {size / MiB:.2f} MiB; load {loadavg()}\n"
+        f"bed limit: raw TCP trainer->r1 S/R = {sr:.3f} s ({size * 8 / sr / 1e6:.0f} Mbit/s); "
+        f"raw chain trainer->r1..r4 {med(chain4):.3f} s "
+        f"(per raw hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
+    )
+    print(
+        "| N | transfer | duration_s | upload_s | t(N)/t(1) | upload(N)/upload(1) | "
+        "bytes_sent / S | egress / S |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    m: dict[tuple[int, str], dict[str, float]] = {
+        k: {f: med([r[f] for r in v]) for f in v[0]} for k, v in rows.items()
+    }
+    for transfer in TRANSFERS:
+        for n in SIZES:
+            x, one = m[n, transfer], m[1, transfer]
+            print(
+                f"| {n} | {LABEL[transfer]} | {x['duration']:.3f} | {x['upload']:.3f} | "
+                f"{x['duration'] / one['duration']:.2f} | {x['upload'] / one['upload']:.2f} | "
+                f"{x['bytes_sent'] / size:.2f} | {x['egress'] / size:.3f} |"
+            )
+    t1, t4 = m[1, "relay"]["duration"], m[4, "relay"]["duration"]
+    u1, u4 = m[1, "relay"]["upload"], m[4, "relay"]["upload"]
+    h, hu = (t4 - t1) / 3, (u4 - u1) / 3
+    fixed = t1 - sr
+    print(
+        f"relay t(4)/t(1) = {t4 / t1:.2f} (target <= 1.15); star t(4)/t(1) = "
+        f"{m[4, 'remote_upload']['duration'] / m[1, 'remote_upload']['duration']:.2f}; "
+        f"t(4) star/relay = {m[4, 'remote_upload']['duration'] / t4:.2f}"
+    )
+    print(
+        f"per-hop pipeline latency h = (t_relay(4) - t_relay(1)) / 3 = {h * 1e3:.1f} ms "
+        f"(transfer only: {hu * 1e3:.1f} ms; raw TCP hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
+    )
+    print(
+        f"model: t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed) with S/R = {sr:.3f} s, "
+        f"fixed = t(1) - S/R = {fixed:.3f} s, h = {h * 1e3:.1f} ms: "
+        f"({sr:.3f} + {63 * h:.3f} + {fixed:.3f}) / ({sr:.3f} + {fixed:.3f}) = "
+        f"{(sr + 63 * h + fixed) / (sr + fixed):.2f}"
+    )
+
+
+# -- B and C: loopback ---------------------------------------------------------------------------
+
+
+def make_file(path: Path, mib: int) -> FileEntry:
+    """A file of random bytes; its sha256 computed while writing (as a bundle build would)."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for start in range(0, mib, 16):
+            buf = os.urandom(min(16, mib - start) * MiB)
+            h.update(buf)
+            f.write(buf)
+    return FileEntry(path="adapter_model.safetensors", size=mib * MiB, sha256=h.hexdigest())
+
+
+def sha256_cpu(path: Path) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of sha256 over ``path`` in 1 MiB chunks, this process: only the
+    ``update`` calls are timed, not the reads."""
+    h = hashlib.sha256()
+    buf = bytearray(MiB)
+    cpu = wall = 0.0
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            view = memoryview(buf)[:k]
+            c, w = time.process_time(), time.perf_counter()
+            h.update(view)
+            cpu += time.process_time() - c
+            wall += time.perf_counter() - w
+    return cpu, wall
+
+
+class Agent:
+    def __init__(self, server: Server[AgentSpec]) -> None:
+        self.server = server
+        self.url = server.url
+        self.token = str(server.spec.token)
+        self.ps = psutil.Process(server.pid)
+
+    def cpu(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+
+def start_agents(launcher: Launcher, root: Path, n: int) -> list[Agent]:
+    """Agents with no engine behind them: uploads do not need one (they report not ready)."""
+    servers = [
+        launcher.spawn(
+            AgentSpec(
+                engine="vllm",
+                engine_url="http://127.0.0.1:9",
+                data_dir=root / f"agent{i}",
+                token=secrets.token_urlsafe(16),
+                extra=("--log-level", "warning"),
+                ready_status=503,
+                name=f"agent{i}",
+            )
+        )
+        for i in range(n)
+    ]
+    for s in servers:
+        launcher.wait_ready(s)
+    return [Agent(s) for s in servers]
+
+
+def manifest_for(entry: FileEntry, version: int) -> Manifest:
+    cfg = json.dumps(CONFIG).encode()
+    return Manifest(
+        name="relaybench",
+        version=version,
+        config=CONFIG,
+        files=(
+            entry,
+            FileEntry(
+                path="adapter_config.json", size=len(cfg), sha256=hashlib.sha256(cfg).hexdigest()
+            ),
+        ),
+    )
+
+
+async def transfer_arm(
+    arm: str, agents: list[Agent], src: Path, entry: FileEntry, version: int
+) -> dict[str, Any]:
+    """One timed transfer (sessions opened before, discarded after): seconds, each agent's CPU
+    seconds and this process's CPU seconds during it."""
+    manifest = manifest_for(entry, version)
+    used = agents[:1] if arm == "plain" else agents
+    clients = [AsyncAgentClient(a.url, a.token, timeout=600) for a in used]
+    sessions: list[UploadSession] = []
+    try:
+        accept = None
+        cred = secrets.token_urlsafe(32)
+        if arm == "relay":
+            accept = RelayAccept(credential_sha256=credential_digest(cred), stall_s=30)
+        sessions = await asyncio.gather(*(c.open_upload(manifest, relay=accept) for c in clients))
+        for s in sessions:
+            assert entry.path in s.missing, s
+        if arm == "relay":
+            for i in range(len(used) - 1):
+                target = ForwardTarget(
+                    url=used[i + 1].url,
+                    upload_id=sessions[i + 1].upload_id,
+                    answer_timeout_s=600,
+                )
+                plan = ForwardPlan(credential=cred, stall_s=30, files={entry.path: [target]})
+                await clients[i].set_forward(sessions[i].upload_id, plan)
+        senders = clients[:1] if arm == "relay" else clients
+        cpu0 = [a.cpu() for a in used]
+        own0 = time.process_time()
+        t = time.perf_counter()
+        progs = await asyncio.gather(
+            *(
+                c.upload_file(s.upload_id, entry, src, chunk_size=CHUNK)
+                for c, s in zip(senders, sessions, strict=False)
+            )
+        )
+        dt = time.perf_counter() - t
+        own = time.process_time() - own0
+        cpu = [a.cpu() - c0 for a, c0 in zip(used, cpu0, strict=True)]
+        assert all(p.complete for p in progs), progs
+        if arm == "relay":
+            hops = progs[0].relayed
+            assert len(hops) == len(used) - 1 and all(h.ok for h in hops), hops
+        return {"s": dt, "cpu": cpu, "sender_cpu": own}
+    finally:
+        await asyncio.gather(
+            *(c.discard(s.upload_id) for c, s in zip(clients, sessions, strict=False)),
+            return_exceptions=True,
+        )
+        for c in clients:
+            await c.aclose()
+
+
+def part_loopback(args: argparse.Namespace, work: Path, parts: set[str]) -> None:
+    size = args.mib * MiB
+    print(f"\n== loopback: 4 engine-less agents, {args.mib} MiB random file ==")
+    arms = (["star", "relay"] if "loopback" in parts else ["relay"]) + (
+        ["plain"] if "cpu" in parts else []
+    )
+    src = work / "source.bin"
+    entry = make_file(src, args.mib)
+    cores = os.cpu_count() or 1
+    res: dict[str, list[dict]] = defaultdict(list)
+    sha_cpu: list[float] = []
+    sha_rate: list[float] = []
+    wr_rate: list[float] = []
+    version = 0
+    with Launcher(work / "logs-loopback") as launcher:
+        agents = start_agents(launcher, work, 4)
+        for run in range(args.runs):
+            cpu, wall = sha256_cpu(src)
+            sha_cpu.append(cpu)
+            sha_rate.append(size / wall)
+            wr_rate.append(write_fsync_rate(work, min(size, 256 * MiB)))
+            print(
+                f"run {run + 1} (load {loadavg()}): sha256 {sha_rate[-1] / MiB:.0f} MiB/s "
+                f"({cpu:.3f} CPU s), write+fsync {wr_rate[-1] / MiB:.0f} MiB/s",
+                flush=True,
+            )
+            k = run % len(arms)
+            for arm in arms[k:] + arms[:k]:
+                version += 1
+                out = asyncio.run(transfer_arm(arm, agents, src, entry, version))
+                res[arm].append(out)
+                print(
+                    f"  {arm:5s}: {out['s']:.3f} s ({size / out['s'] / GiB:.2f} GiB/s per copy); "
+                    f"agent CPU s {', '.join(f'{c:.2f}' for c in out['cpu'])}; "
+                    f"sender CPU s {out['sender_cpu']:.2f}",
+                    flush=True,
+                )
+    gib = size / GiB
+    print(f"\nmedians over {args.runs} runs; load {loadavg()}")
+    sha, wr = med(sha_rate), med(wr_rate)
+    floor = max(4 * size / wr, 4 * size / (cores * sha))
+    print(
+        f"machine: sha256 {sha / MiB:.0f} MiB/s, write+fsync {wr / MiB:.0f} MiB/s, {cores} cores; "
+        f"floor for 4 verified copies max(4S/W, 4S/(cores*sha256)) = {floor:.3f} s"
+    )
+    if "loopback" in parts:
+        print("| arm | seconds | GiB/s per copy | copies GiB/s | x floor | sender CPU s |")
+        print("|---|---|---|---|---|---|")
+        for arm in ("star", "relay"):
+            s = med([r["s"] for r in res[arm]])
+            print(
+                f"| {arm} | {s:.3f} | {gib / s:.2f} | {4 * gib / s:.2f} | {s / floor:.2f} | "
+                f"{med([r['sender_cpu'] for r in res[arm]]):.2f} |"
+            )
+        ratio = med([r["s"] for r in res["relay"]]) / med([r["s"] for r in res["star"]])
+        per_run = [r["s"] / st["s"] for r, st in zip(res["relay"], res["star"], strict=True)]
+        print(
+            f"relay/star time = {ratio:.2f} (per run {', '.join(f'{x:.2f}' for x in per_run)}): "
+            f"relay is {'not slower' if ratio <= 1 else 'SLOWER'} than star on loopback"
+        )
+        for arm in ("star", "relay"):
+            cpus = [med([r["cpu"][i] for r in res[arm]]) for i in range(4)]
+            print(
+                f"{arm} agent CPU s per agent (0..3): {', '.join(f'{c:.2f}' for c in cpus)}; "
+                f"all agents + sender {sum(cpus) + med([r['sender_cpu'] for r in res[arm]]):.2f}"
+            )
+    if "cpu" in parts:
+        sc = med(sha_cpu) / gib
+        plain = med([r["cpu"][0] for r in res["plain"]]) / gib
+        middle = med([c for r in res["relay"] for c in r["cpu"][1:3]]) / gib
+        root = med([r["cpu"][0] for r in res["relay"]]) / gib
+        tail = med([r["cpu"][3] for r in res["relay"]]) / gib
+        plain_s = med([r["s"] for r in res["plain"]])
+        print("\nagent CPU per verified GiB (user+sys) against sha256 of the same bytes:")
+        print("| agent | CPU s / GiB | efficiency sha256 / agent (target >= 0.75) |")
+        print("|---|---|---|")
+        print(f"| sha256 in this process | {sc:.3f} | 1.00 |")
+        for label, v in (
+            (f"plain upload, one agent ({gib / plain_s:.2f} GiB/s)", plain),
+            ("relay middle (agents 1, 2: receive + forward)", middle),
+            ("relay root (agent 0: receive from sender + forward)", root),
+            ("relay tail (agent 3: receive only)", tail),
+        ):
+            print(f"| {label} | {v:.3f} | {sc / v:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="shaped,loopback,cpu")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rate", default="400mbit", help="shaped: each host's egress (tc rate)")
+    ap.add_argument("--rank", type=int, default=4096, help="shaped: LoRA rank (4096 = 64 MiB)")
+    ap.add_argument("--mib", type=int, default=1024, help="loopback/cpu: file size in MiB")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if unknown := parts - {"shaped", "loopback", "cpu"}:
+        ap.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    print(f"{os.cpu_count()} cores, load average {loadavg()} at start")
+    with tempfile.TemporaryDirectory(
+        prefix="lorafleet-bench-relay-", dir=os.environ.get("BENCH_DIR")
+    ) as td:
+        work = Path(td)
+        if "shaped" in parts:
+            part_shaped(args, work)
+        if parts & {"loopback", "cpu"}:
+            shutil.rmtree(work / "adapters", ignore_errors=True)  # free the disk first
+            part_loopback(args, work, parts)
+
+
+if __name__ == "__main__":
+    main()
