@@ -82,9 +82,10 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
 )
 @click.option(
     "--transfer",
-    type=click.Choice(["remote_upload", "shared_filesystem"]),
-    default="remote_upload",
-    show_default=True,
+    type=click.Choice(["relay", "remote_upload", "shared_filesystem"]),
+    default=None,
+    help="relay (default for 2+ agents): one copy leaves, agents forward it; remote_upload: "
+    "one copy per agent; shared_filesystem: written once under --shared-dir.",
 )
 @click.option(
     "--shared-dir",
@@ -129,7 +130,7 @@ def command(
     name: str,
     version: int | None,
     mode: str | None,
-    transfer: str,
+    transfer: str | None,
     shared_dir: str | None,
     config_path: str | None,
     fleet_dir: str | None,
