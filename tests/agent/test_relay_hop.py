@@ -75,6 +75,8 @@ def test_one_put_reaches_both_agents_verified(pair):
     st = httpx.get(f"{b.url}/v1/uploads/{ub}", headers=auth(b)).json()
     weights = next(f for f in st["files"] if f["path"] == PATH)
     assert weights["complete"] and weights["offset"] == len(DATA) and not weights["receiving"]
+    metrics = httpx.get(a.url + "/metrics").text
+    assert 'lorafleet_agent_relay_hops_total{outcome="ok"} 1.0' in metrics
 
 
 def test_the_credential_opens_one_session_for_put_and_head_only(pair):

@@ -45,6 +45,18 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.relay_hops = Counter(
+            "lorafleet_agent_relay_hops",
+            "Files forwarded to a peer agent, by the peer's outcome (ok, or its error code, "
+            "transport, stalled, aborted)",
+            ["outcome"],
+            registry=r,
+        )
+        self.stalled_uploads = Counter(
+            "lorafleet_agent_stalled_uploads",
+            "Relayed PUTs cut off after their stall limit without a byte",
+            registry=r,
+        )
         self.store_bytes = Gauge(
             "lorafleet_agent_store_bytes", "Bytes held in the blob store and staging", registry=r
         )

@@ -191,3 +191,9 @@ class Tee:
         for f in self.forwards:
             f.drop("aborted", detail)
         return [h for f in self.forwards for h in await f.verdict()]
+
+    def close(self) -> None:
+        """Cut any PUT still running short (the upstream PUT ended before ``finish``/``abort``)."""
+        for f in self.forwards:
+            if f.alive:
+                f.drop("aborted", "the upstream PUT ended")

@@ -480,11 +480,12 @@ class UploadManager:
                 f"declared size of {entry.size} bytes",
                 param=path,
             )
-        tee = None
+        tee, direct = None, set()
         plan = s.forward
         if plan is not None and start == 0 and not f.forwarded and plan.files.get(path):
             f.forwarded = True
             tee = Tee(self.relay_http(), plan.files[path], entry, plan.credential, plan.stall_s)
+            direct = {t.upload_id for t in plan.files[path]}
         if peer and s.relay is not None:
             body = _stall_guard(body, s.relay.stall_s)
         f.task = asyncio.current_task()
@@ -496,6 +497,7 @@ class UploadManager:
         except TimeoutError:
             if not peer or s.relay is None:
                 raise
+            self.metrics.stalled_uploads.inc()
             f.error = TransferStalled(
                 f"{path!r}: no byte for {s.relay.stall_s:g} s; {f.offset} bytes are durable",
                 headers={UPLOAD_OFFSET_HEADER: str(f.offset)},
@@ -508,6 +510,11 @@ class UploadManager:
             f.task = None
             s.touch()
             self.metrics.upload_seconds.observe(time.perf_counter() - t0)
+            if tee is not None:
+                tee.close()
+            for hop in f.relayed if tee is not None else ():
+                if hop.upload_id in direct:  # this hop's own targets, not theirs in turn
+                    self.metrics.relay_hops.labels("ok" if hop.ok else hop.code or "error").inc()
 
     async def _receive(
         self,

@@ -155,7 +155,7 @@ def check_peer_url(url: str) -> str:
     raise ``ValueError`` otherwise. Returned without a trailing slash."""
     try:
         u = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as exc:
+    except Exception as exc:  # httpx raises more than InvalidURL for odd text; all are 400s
         raise ValueError(f"not a URL: {exc}") from None
     if u.scheme not in ("http", "https") or not u.host:
         raise ValueError("an agent URL is http(s)://host[:port]")

@@ -19,6 +19,7 @@ What can go wrong, and what then happens:
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ __all__ = ["Relay", "tree"]
 # A copy refused for its bytes fails its replica (no second try: as for a direct upload).
 _INTEGRITY = {ErrorCode.SIZE_MISMATCH, ErrorCode.DIGEST_MISMATCH, ErrorCode.SIZE_EXCEEDED}
 _SETTLE_POLL_S = 0.1
+
+log = logging.getLogger("lorafleet.publisher")
 
 
 def tree(n: int, fanout: int) -> list[list[int]]:
@@ -141,8 +144,8 @@ class Relay:
         )
         for i, out in zip(plans, installed, strict=True):
             if isinstance(out, BaseException):
-                # Its subtree is fed by the Publisher's repair below; the forwarder itself too.
-                holders[i].timing.error = f"forward plan refused: {out}"
+                # Its subtree gets the file from the Publisher's repair below instead.
+                log.warning("%s refused its forward plan: %s", holders[i].id, out)
         root = holders[0]
         verdicts: dict[str, RelayHop | FileProgress] = {}
         try:
