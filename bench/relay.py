@@ -10,14 +10,16 @@ one Publisher process (``ip netns exec``) with a Publisher per N. The adapter is
 adapter on the tiny model, all-linear LoRA at rank ``--rank`` (4096 * r fp32 parameters: r=4096
 is 64 MiB), with new bytes for every publication (agents deduplicate by content). For each run,
 interleaved: N in 1, 2, 4 and transfer in relay / remote_upload (the star), one publication each
-(after one warm-up publication per N). Recorded: ``duration_s``, the transfer (the slowest
-replica's ``upload_s``), ``bytes_sent`` and the trainer's egress (``tx_bytes`` of its link around
-the call). The bed's own limit, each run: a raw TCP transfer of the adapter's size trainer -> r1
+(after one warm-up publication per N). Recorded: ``duration_s`` and its parts (the slowest
+replica's upload, commit, load and probe), ``bytes_sent``, the trainer's egress (``tx_bytes`` of
+its link around the call) and the CPU seconds of the bed's agents, engines and Publisher during
+the call. The bed's own limit, each run: a raw TCP transfer of the adapter's size trainer -> r1
 (plain sockets), and a raw chain trainer -> r1 -> r2 -> r3 -> r4 whose hops forward as they read.
-From the medians: t(N)/t(1) per transfer (target for relay: t(4)/t(1) <= 1.15), egress in
-adapter copies (target for relay: 1), the per-hop pipeline latency h = (t_relay(4) -
-t_relay(1)) / 3, and the model t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed), S/R being the
-raw transfer and fixed = t(1) - S/R.
+From the medians: t(N)/t(1) per transfer (target for relay: t(4)/t(1) <= 1.15; also against all
+N=1 publications pooled, since with one agent both transfers are the same direct upload), egress
+in adapter copies (target for relay: 1), the per-hop pipeline latency h = (t_relay(4) - t(1)) / 3
+and the model t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed), S/R being the raw transfer and
+fixed = t(1) - S/R (printed with h from the whole publication and from the transfer alone).
 
 ``loopback``: 4 engine-less agents on 127.0.0.1 and a ``--mib`` (1024) random file. star = one
 ``upload_file`` to each agent at once from this process; relay = every session opened with a
@@ -27,10 +29,11 @@ and discarded after the timed part. Limits, each run: sha256 and write+fsync thr
 floor for 4 verified copies on this machine, max(4 S / write+fsync, 4 S / (cores * sha256)).
 
 ``cpu``: agent CPU seconds (user+sys, psutil) per verified GiB for a plain upload to one agent
-and for the middle agents of the relay chain (receive from a peer, forward, verify), against the
-CPU seconds of sha256 over the same file in 1 MiB chunks in this process (``time.process_time``
-around the updates). Efficiency = sha256 CPU / agent CPU (target >= 0.75). Shares the loopback
-agents; its arms are interleaved with the loopback ones.
+and for each agent of the relay chain (the middle ones receive from a peer, forward and verify),
+against the CPU seconds of sha256 over the same file in 1 MiB chunks in this process
+(``time.process_time`` around the updates): efficiency = sha256 CPU / agent CPU (target >= 0.75).
+Also against a floor measured the same way: sha256 + write+fsync + recv (+ send for a forwarder).
+Shares the loopback agents; its arm is interleaved with the loopback ones.
 
 Usage: python bench/relay.py [--parts shaped,loopback,cpu] [--runs 3] [--rate 400mbit]
        [--rank 4096] [--mib 1024]
@@ -185,6 +188,11 @@ def raw_chain(bed: netbed.NetBed, hosts: list[netbed.Host], n: int) -> float:
             s.close()
 
 
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """User+system CPU seconds of these processes (threads included, children not)."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
 class Trainer:
     """The Publisher process in the trainer's namespace."""
 
@@ -268,6 +276,11 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
         print(f"{bed}: engines, agents and routers up in {time.perf_counter() - t:.1f} s")
         cfg = {str(n): [[r.url for r in replicas[:n]], routers[n].url] for n in SIZES}
         trainer = Trainer(bed, cfg, token, work / "trainer.log")
+        procs = {
+            "agents": [psutil.Process(r.agent.pid) for r in replicas],
+            "engines": [psutil.Process(r.engine.pid) for r in replicas],
+            "publisher": [psutil.Process(trainer.proc.pid)],  # ip netns exec execs python
+        }
         try:
             it = iter(adapters)
             for n in SIZES:  # warm-up: the first publication of a name retires nothing
@@ -284,20 +297,27 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
                 for n in SIZES:
                     for transfer in order:
                         before = bed.tx_bytes(bed.trainer)
+                        cpu0 = {k: cpu_s(v) for k, v in procs.items()}
                         res = trainer.publish(
                             adapter=str(next(it)), n=str(n), transfer=transfer, name=f"p{n}"
                         )
+                        cpu = {k: cpu_s(v) - cpu0[k] for k, v in procs.items()}
                         egress = bed.tx_bytes(bed.trainer) - before
                         reps = res["replicas"].values()
                         row = {
                             "duration": res["duration_s"],
                             "build": res["build_s"],
-                            "serving": res["serving_s"],
                             "upload": max(r["upload_s"] for r in reps),
+                            "commit": max(r["verify_s"] for r in reps),
                             "load": max(r["load_s"] for r in reps),
+                            "probe": max(r["probe_s"] for r in reps),
+                            "cutover": res["cutover_s"],
+                            "serving": res["serving_s"],
+                            "retire": res["retire_s"],
                             "bytes_sent": res["bytes_sent"],
                             "egress": egress,
                             "relayed": sum(r["bytes_relayed"] for r in reps),
+                            **{f"cpu_{k}": v for k, v in cpu.items()},
                         }
                         assert res["transfer"] == transfer, res["transfer"]
                         rows[n, transfer].append(row)
@@ -305,7 +325,9 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
                             f"  N={n} {LABEL[transfer]:5s}: {row['duration']:.3f} s (upload "
                             f"{row['upload']:.3f}, load {row['load']:.3f}), bytes_sent "
                             f"{row['bytes_sent'] / size:.2f}x, egress {egress / size:.3f}x, "
-                            f"relayed {row['relayed'] / size:.2f}x",
+                            f"relayed {row['relayed'] / size:.2f}x; CPU s agents "
+                            f"{cpu['agents']:.2f} engines {cpu['engines']:.2f} publisher "
+                            f"{cpu['publisher']:.2f}",
                             flush=True,
                         )
         finally:
@@ -318,40 +340,90 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
         f"raw chain trainer->r1..r4 {med(chain4):.3f} s "
         f"(per raw hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
     )
-    print(
-        "| N | transfer | duration_s | upload_s | t(N)/t(1) | upload(N)/upload(1) | "
-        "bytes_sent / S | egress / S |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
     m: dict[tuple[int, str], dict[str, float]] = {
         k: {f: med([r[f] for r in v]) for f in v[0]} for k, v in rows.items()
     }
+    # With one agent both transfers are the same direct upload: pooled, t(1) has twice the runs.
+    ones = [r for t in TRANSFERS for r in rows[1, t]]
+    t1, u1 = med([r["duration"] for r in ones]), med([r["upload"] for r in ones])
+    print(
+        "t(N)/t(1): against the same transfer's N=1 median, and against the median of all N=1 "
+        f"publications of both transfers (the same direct upload; pooled t(1) = {t1:.3f} s, "
+        f"upload {u1:.3f} s)"
+    )
+    print(
+        "| N | transfer | duration_s | upload_s | t(N)/t(1) | t(N)/t(1) pooled | "
+        "upload(N)/upload(1) pooled | bytes_sent / S | egress / S |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for transfer in TRANSFERS:
         for n in SIZES:
             x, one = m[n, transfer], m[1, transfer]
             print(
                 f"| {n} | {LABEL[transfer]} | {x['duration']:.3f} | {x['upload']:.3f} | "
-                f"{x['duration'] / one['duration']:.2f} | {x['upload'] / one['upload']:.2f} | "
-                f"{x['bytes_sent'] / size:.2f} | {x['egress'] / size:.3f} |"
+                f"{x['duration'] / one['duration']:.2f} | {x['duration'] / t1:.2f} | "
+                f"{x['upload'] / u1:.2f} | {x['bytes_sent'] / size:.2f} | "
+                f"{x['egress'] / size:.3f} |"
             )
-    t1, t4 = m[1, "relay"]["duration"], m[4, "relay"]["duration"]
-    u1, u4 = m[1, "relay"]["upload"], m[4, "relay"]["upload"]
+    print(
+        "\nbreakdown (medians, s; upload/commit/load/probe: the slowest replica's; CPU s of the "
+        f"bed's processes during the call, busy = all of it / (duration * {os.cpu_count()} cores))"
+    )
+    print(
+        "| N | transfer | build | upload | commit | load | probe | cutover | serving | retire | "
+        "CPU agents | CPU engines | CPU publisher | busy |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for transfer in TRANSFERS:
+        for n in SIZES:
+            x = m[n, transfer]
+            busy = (x["cpu_agents"] + x["cpu_engines"] + x["cpu_publisher"]) / (
+                x["duration"] * (os.cpu_count() or 1)
+            )
+            print(
+                f"| {n} | {LABEL[transfer]} | "
+                + " | ".join(
+                    f"{x[k]:.3f}"
+                    for k in (
+                        "build", "upload", "commit", "load", "probe", "cutover", "serving",
+                        "retire",
+                    )
+                )
+                + f" | {x['cpu_agents']:.2f} | {x['cpu_engines']:.2f} | "
+                f"{x['cpu_publisher']:.2f} | {busy:.0%} |"
+            )  # fmt: skip
+    t4, u4 = m[4, "relay"]["duration"], m[4, "relay"]["upload"]
+    own1 = m[1, "relay"]["duration"]
+    paired = [
+        a["duration"] / min(b["duration"], c["duration"])
+        for a, b, c in zip(
+            rows[4, "relay"], rows[1, "relay"], rows[1, "remote_upload"], strict=True
+        )
+    ]
     h, hu = (t4 - t1) / 3, (u4 - u1) / 3
     fixed = t1 - sr
     print(
-        f"relay t(4)/t(1) = {t4 / t1:.2f} (target <= 1.15); star t(4)/t(1) = "
-        f"{m[4, 'remote_upload']['duration'] / m[1, 'remote_upload']['duration']:.2f}; "
+        f"relay t(4)/t(1) = {t4 / t1:.2f} pooled, {t4 / own1:.2f} against relay's own N=1 "
+        f"(target <= 1.15); per run against that run's faster N=1: "
+        f"{', '.join(f'{x:.2f}' for x in paired)}; star t(4)/t(1) = "
+        f"{m[4, 'remote_upload']['duration'] / t1:.2f} pooled; "
         f"t(4) star/relay = {m[4, 'remote_upload']['duration'] / t4:.2f}"
     )
     print(
-        f"per-hop pipeline latency h = (t_relay(4) - t_relay(1)) / 3 = {h * 1e3:.1f} ms "
-        f"(transfer only: {hu * 1e3:.1f} ms; raw TCP hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
+        f"per-hop pipeline latency h = (t_relay(4) - t(1)) / 3 = {h * 1e3:.1f} ms "
+        f"(against relay's own N=1: {(t4 - own1) / 3 * 1e3:.1f} ms; transfer only: "
+        f"{hu * 1e3:.1f} ms; raw TCP hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
     )
     print(
         f"model: t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed) with S/R = {sr:.3f} s, "
         f"fixed = t(1) - S/R = {fixed:.3f} s, h = {h * 1e3:.1f} ms: "
         f"({sr:.3f} + {63 * h:.3f} + {fixed:.3f}) / ({sr:.3f} + {fixed:.3f}) = "
         f"{(sr + 63 * h + fixed) / (sr + fixed):.2f}"
+    )
+    print(
+        f"same model with the transfer-only h = {hu * 1e3:.1f} ms (engines on separate machines "
+        f"load in parallel): ({sr:.3f} + {63 * hu:.3f} + {fixed:.3f}) / ({sr:.3f} + {fixed:.3f}) "
+        f"= {(sr + 63 * hu + fixed) / (sr + fixed):.2f}"
     )
 
 
@@ -383,6 +455,54 @@ def sha256_cpu(path: Path) -> tuple[float, float]:
             cpu += time.process_time() - c
             wall += time.perf_counter() - w
     return cpu, wall
+
+
+def store_cpu(path: Path, scratch: Path) -> float:
+    """CPU seconds of writing ``path``'s bytes to a new file on the agents' disk in 1 MiB chunks
+    and fsyncing it once (the copy into the page cache, and the writeback work that fsync does
+    in the caller; only the ``write`` and ``fsync`` calls are timed)."""
+    buf = bytearray(MiB)
+    cpu = 0.0
+    out = scratch / "store-limit"
+    with open(path, "rb", buffering=0) as f, open(out, "wb", buffering=0) as dst:
+        while k := f.readinto(buf):
+            view = memoryview(buf)[:k]
+            c = time.process_time()
+            dst.write(view)
+            cpu += time.process_time() - c
+        c = time.process_time()
+        os.fsync(dst.fileno())
+        cpu += time.process_time() - c
+    out.unlink()
+    return cpu
+
+
+def socket_cpu(path: Path) -> tuple[float, float]:
+    """(recv, send) CPU seconds of moving ``path``'s bytes over loopback TCP between two threads
+    in 1 MiB chunks (``time.thread_time`` around ``recv_into`` and ``sendall`` only)."""
+    send_cpu = 0.0
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+
+        def send() -> None:
+            nonlocal send_cpu
+            buf = bytearray(MiB)
+            with socket.create_connection(lst.getsockname()) as c, open(path, "rb") as f:
+                while k := f.readinto(buf):
+                    t = time.thread_time()
+                    c.sendall(memoryview(buf)[:k])
+                    send_cpu += time.thread_time() - t
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        conn, _ = lst.accept()
+        buf = bytearray(MiB)
+        with conn:
+            t = time.thread_time()
+            while conn.recv_into(buf):
+                pass
+            recv = time.thread_time() - t
+        sender.join()
+    return recv, send_cpu
 
 
 class Agent:
@@ -497,6 +617,7 @@ def part_loopback(args: argparse.Namespace, work: Path, parts: set[str]) -> None
     cores = os.cpu_count() or 1
     res: dict[str, list[dict]] = defaultdict(list)
     sha_cpu: list[float] = []
+    floor_cpu: list[tuple[float, float, float]] = []
     sha_rate: list[float] = []
     wr_rate: list[float] = []
     version = 0
@@ -505,6 +626,8 @@ def part_loopback(args: argparse.Namespace, work: Path, parts: set[str]) -> None
         for run in range(args.runs):
             cpu, wall = sha256_cpu(src)
             sha_cpu.append(cpu)
+            if "cpu" in parts:
+                floor_cpu.append((store_cpu(src, work), *socket_cpu(src)))
             sha_rate.append(size / wall)
             wr_rate.append(write_fsync_rate(work, min(size, 256 * MiB)))
             print(
@@ -559,17 +682,32 @@ def part_loopback(args: argparse.Namespace, work: Path, parts: set[str]) -> None
         root = med([r["cpu"][0] for r in res["relay"]]) / gib
         tail = med([r["cpu"][3] for r in res["relay"]]) / gib
         plain_s = med([r["s"] for r in res["plain"]])
-        print("\nagent CPU per verified GiB (user+sys) against sha256 of the same bytes:")
-        print("| agent | CPU s / GiB | efficiency sha256 / agent (target >= 0.75) |")
-        print("|---|---|---|")
-        print(f"| sha256 in this process | {sc:.3f} | 1.00 |")
-        for label, v in (
-            (f"plain upload, one agent ({gib / plain_s:.2f} GiB/s)", plain),
-            ("relay middle (agents 1, 2: receive + forward)", middle),
-            ("relay root (agent 0: receive from sender + forward)", root),
-            ("relay tail (agent 3: receive only)", tail),
+        wc, rc, snd = (med([f[i] for f in floor_cpu]) / gib for i in range(3))
+        fl = sc + wc + rc
+        print(
+            "\nagent CPU per verified GiB (user+sys) against sha256 of the same bytes, and against "
+            "the floor of a receiver that stores what it verifies, each part measured in this "
+            "process: sha256 + write+fsync (copy into the page cache, writeback started by fsync) "
+            "+ recv (copy out of the socket), + send (copy into a socket) for one that forwards:"
+        )
+        print(
+            f"sha256 {sc:.3f} + write+fsync {wc:.3f} + recv {rc:.3f} = receiver floor {fl:.3f}; "
+            f"+ send {snd:.3f} = forwarder floor {fl + snd:.3f} CPU s / GiB "
+            f"(sha256 alone is {sc / fl:.2f} of the receiver floor)"
+        )
+        print(
+            "| agent | CPU s / GiB | efficiency sha256 / agent (target >= 0.75) | "
+            "its floor / agent |"
+        )
+        print("|---|---|---|---|")
+        print(f"| sha256 in this process | {sc:.3f} | 1.00 | |")
+        for label, v, f in (
+            (f"plain upload, one agent ({gib / plain_s:.2f} GiB/s)", plain, fl),
+            ("relay middle (agents 1, 2: receive + forward)", middle, fl + snd),
+            ("relay root (agent 0: receive from sender + forward)", root, fl + snd),
+            ("relay tail (agent 3: receive only)", tail, fl),
         ):
-            print(f"| {label} | {v:.3f} | {sc / v:.2f} |")
+            print(f"| {label} | {v:.3f} | {sc / v:.2f} | {f / v:.2f} |")
 
 
 def main() -> None:

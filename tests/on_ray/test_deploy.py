@@ -76,6 +76,49 @@ def test_replicas_spread_engine_beside_agent_publish_and_route(fleet, adapters, 
         assert _routed(fleet, "policy") == (expected, 1)
     status = fleet.status()
     assert status.router_healthy and all(r.healthy for r in status.replicas)
+    # Every node of this local cluster is 127.0.0.1: one host, so one copy per agent.
+    assert res.transfer == "remote_upload"
+
+
+def test_object_store_transfer_one_put_every_agent_verifies(fleet, adapters, tiny_model):
+    from lorafleet.bundle import AdapterBundle
+
+    size = AdapterBundle.from_dir(adapters["b"], name="x").total_size
+    with fleet.publisher() as pub:
+        res = pub.publish(str(adapters["b"]), name="store", transfer="object_store")
+    assert res.transfer == "object_store"
+    assert res.bytes_sent == 0  # nothing over HTTP from here: one ray.put per file
+    assert [t.bytes_relayed for t in res.replicas.values()] == [size, size]
+    expected = merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8)
+    for _ in range(4):
+        assert _routed(fleet, "store") == (expected, res.version)
+
+
+def test_object_store_copy_that_differs_is_refused_and_rolled_back(
+    fleet, adapters, tiny_model, monkeypatch
+):
+    from lorafleet.ray import transfer
+
+    with fleet.publisher() as pub:
+        v1 = pub.publish(str(adapters["a"]), name="bad-store", transfer="object_store").version
+    real = transfer._read
+
+    def flipped(plan, path):
+        data = bytearray(real(plan, path))
+        if path.endswith(".safetensors"):
+            data[len(data) // 2] ^= 1
+        return bytes(data)
+
+    monkeypatch.setattr(transfer, "_read", flipped)
+    with fleet.publisher() as pub, pytest.raises(PublishError) as err:
+        pub.publish(str(adapters["b"]), name="bad-store", transfer="object_store")
+    assert all("sha256" in why for why in err.value.failures.values()), err.value.failures
+    assert len(err.value.failures) == 2
+    expected = merged_greedy_ids(tiny_model, adapters["a"], PROMPT, 8)
+    for _ in range(4):
+        assert _routed(fleet, "bad-store") == (expected, v1)
+    for i in range(2):
+        assert _agent_versions(fleet, i, "bad-store") == {v1}
 
 
 def test_agent_actor_killed_mid_publication_rolls_back(fleet, adapters, tiny_model):
@@ -95,8 +138,9 @@ def test_agent_actor_killed_mid_publication_rolls_back(fleet, adapters, tiny_mod
         ray.kill(victim, no_restart=False)  # the actor's process dies; Ray restarts it
         wait_until(lambda: not _alive(before["pid"]), timeout=20, message="agent outlived actor")
 
+    # The star (the default on one host): the victim is sent its own copy.
     with fleet.publisher(on_progress=kill_agent_once) as pub, pytest.raises(PublishError):
-        pub.publish(str(adapters["b"]), name="kill")
+        pub.publish(str(adapters["b"]), name="kill", transfer="remote_upload")
     assert killed, "the publication never sent a byte"
 
     # Atomic: v1 keeps serving through the router, v2 is on no replica that answers.

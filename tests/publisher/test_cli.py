@@ -34,7 +34,9 @@ def test_publish_cli_directory_and_native_checkpoint(launcher, make_fleet, tiny_
     a = make_peft_adapter(tiny_model, tmp_path / "a", r=8, seed=31)
     r = _publish(str(a), "--name", "policy", *target)
     assert r.returncode == 0, r.stderr
+    # Two agents on one host: one copy each (the relay is the default across hosts).
     assert "published policy v1 (atomic, remote_upload) as policy@v1" in r.stdout
+    assert " 0 relayed)" in r.stdout
 
     # a native-only checkpoint file plus its config, published as v2
     ckpt = tmp_path / "native.pt"

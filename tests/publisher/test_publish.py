@@ -81,9 +81,9 @@ def test_transfer_modes_deliver_and_serve(
             if transfer == "in_memory"
             else AdapterBundle.from_dir(adapters["a"], name="x")
         )
-        # One copy per agent from here, or (relay, the default for 2 agents) one in all.
-        copies = 2 if transfer == "remote_upload" else 1
-        assert res.transfer == ("relay" if transfer == "in_memory" else transfer)
+        # One copy per agent from here (the default on one host), or with relay one in all.
+        copies = 1 if transfer == "relay" else 2
+        assert res.transfer == ("remote_upload" if transfer == "in_memory" else transfer)
         assert res.bytes_sent == copies * built.total_size
         relayed = sorted(t.bytes_relayed for t in res.replicas.values())
         assert relayed == ([0, 0] if copies == 2 else [0, built.total_size])

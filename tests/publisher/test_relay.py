@@ -1,4 +1,5 @@
-"""Relay publications on real agents and engines: one copy leaves the Publisher, agents forward
+"""Relay publications on real agents and engines (on loopback, so asked for by name: the
+default there is one copy per agent): one copy leaves the Publisher, agents forward
 it, and faults between agents (a flipped byte, a killed or stalled forwarder) keep the
 promises: every replica verifies its own copy, and the publication succeeds everywhere or
 rolls back everywhere."""
@@ -55,7 +56,7 @@ def test_a_tree_of_fanout_two_sends_one_copy(launcher, make_fleet, small, tiny_m
     with Publisher(
         fleet.agent_urls, router=fleet.router.url, token=fleet.token, relay_fanout=2
     ) as pub:
-        res = pub.publish(str(small), name="policy")
+        res = pub.publish(str(small), name="policy", transfer="relay")
     assert res.transfer == "relay" and res.bytes_sent == size
     root, *rest = (res.replicas[_id(a)] for a in fleet.agents)
     assert (root.bytes_sent, root.bytes_relayed) == (size, 0)
@@ -69,7 +70,7 @@ def test_a_replica_that_holds_the_blobs_is_skipped(launcher, make_fleet, small, 
     with Publisher(fleet.agent_urls[1:2], router=fleet.router.url, token=fleet.token) as pub:
         pub.publish(str(small), name="other")  # replica 1 now holds every blob
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
-        res = pub.publish(str(small), name="policy")
+        res = pub.publish(str(small), name="policy", transfer="relay")
     size = AdapterBundle.from_dir(small, name="x").total_size
     held = res.replicas[_id(fleet.agents[1])]
     assert (held.files_deduplicated, held.bytes_sent, held.bytes_relayed) == (2, 0, 0)
@@ -92,7 +93,7 @@ def test_a_byte_flipped_between_two_agents_rolls_back_everywhere(
             Publisher(urls, router=fleet.router.url, token=fleet.token) as pub,
             pytest.raises(PublishError) as err,
         ):
-            pub.publish(str(large), name="policy")
+            pub.publish(str(large), name="policy", transfer="relay")
         assert link.flipped
     failures = err.value.failures
     assert _id(fleet.agents[1]) in failures and "digest" in failures[_id(fleet.agents[1])]
@@ -118,7 +119,7 @@ def _publish_large_cutting_replica_1(fleet, small, large, cut, **publisher_kwarg
             urls, router=fleet.router.url, token=fleet.token, relay_stall_s=2, **publisher_kwargs
         ) as pub:
             try:
-                return pub.publish(str(large), name="policy")
+                return pub.publish(str(large), name="policy", transfer="relay")
             finally:
                 assert fired.is_set()
 

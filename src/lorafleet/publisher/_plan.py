@@ -14,7 +14,9 @@ from lorafleet.protocol.router import SessionPolicy
 __all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
 
 Mode = Literal["atomic", "in_place"]
-Transfer = Literal["remote_upload", "relay", "shared_filesystem"]
+Transfer = str
+"""``remote_upload``, ``relay``, ``shared_filesystem``, or the name of a carrier given to the
+Publisher (``lorafleet.publisher.carrier``)."""
 ProgressCallback = Callable[[str, int, int], None]
 """``on_progress(replica_id, bytes_sent_so_far, bytes_to_send)``."""
 

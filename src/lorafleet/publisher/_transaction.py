@@ -27,8 +27,8 @@ from tenacity import (
 from lorafleet.errors import LorafleetError, PublishError, RemoteError
 from lorafleet.publisher._errors import is_not_found, publish_error_class, reason
 from lorafleet.publisher._plan import Plan, ProgressCallback
-from lorafleet.publisher._relay import Relay
 from lorafleet.publisher._replica import Agent, ReplicaTxn
+from lorafleet.publisher.carrier import Carrier
 from lorafleet.publisher.result import PublishResult, ReplicaState, Timeouts
 from lorafleet.router.client import AsyncRouterClient
 
@@ -71,8 +71,12 @@ class Publication:
         holder: str,
         timeouts: Timeouts,
         on_progress: ProgressCallback | None = None,
+        carrier: Carrier | None = None,
     ) -> None:
         self.plan = plan
+        self.carrier = carrier
+        """Moves the files into every replica's session (``carrier.py``); None: each replica
+        stages its own (``remote_upload``, ``shared_filesystem``)."""
         self.router = router
         self.holder = holder
         self.timeouts = timeouts
@@ -136,10 +140,10 @@ class Publication:
         """Stage and load v on every replica concurrently, waiting for every one. Any failure
         rolls back everywhere, then raises ``PublishError`` naming each failing replica."""
 
-        relayed = self.plan.transfer == "relay"
+        carrier = self.carrier
 
         async def stage_and_load(rep: ReplicaTxn) -> None:
-            if relayed:
+            if carrier is not None:
                 t = time.perf_counter()
                 await rep.commit()
                 rep.timing.verify_s = time.perf_counter() - t
@@ -150,7 +154,7 @@ class Publication:
                 await rep.verify()
 
         try:
-            lost = await Relay(self.plan, self.replicas).run() if relayed else {}
+            lost = await carrier(self.plan, self.replicas) if carrier is not None else {}
             outcomes = (
                 list(lost.get(r.id) for r in self.replicas)
                 if lost

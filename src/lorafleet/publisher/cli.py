@@ -84,8 +84,9 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
     "--transfer",
     type=click.Choice(["relay", "remote_upload", "shared_filesystem"]),
     default=None,
-    help="relay (default for 2+ agents): one copy leaves, agents forward it; remote_upload: "
-    "one copy per agent; shared_filesystem: written once under --shared-dir.",
+    help="relay (default when the agents span hosts): one copy leaves, agents forward it; "
+    "remote_upload (default on one host): one copy per agent; shared_filesystem: written once "
+    "under --shared-dir.",
 )
 @click.option(
     "--shared-dir",
@@ -209,7 +210,8 @@ def command(
     )
     for rid, t in result.replicas.items():
         click.echo(
-            f"  {rid}: upload {t.upload_s * 1e3:.0f} ms, verify {t.verify_s * 1e3:.0f} ms, "
+            f"  {rid}: upload {t.upload_s * 1e3:.0f} ms ({t.bytes_sent} bytes from here, "
+            f"{t.bytes_relayed} relayed), verify {t.verify_s * 1e3:.0f} ms, "
             f"load {t.load_s * 1e3:.0f} ms, {t.files_deduplicated} file(s) deduplicated, "
             f"application {t.application} (probe {t.probe_s * 1e3:.0f} ms)"
         )

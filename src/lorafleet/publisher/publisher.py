@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import socket
 import threading
@@ -47,6 +48,7 @@ from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
 from lorafleet.publisher._replica import Agent
 from lorafleet.publisher._transaction import Publication, to_the_end
+from lorafleet.publisher.carrier import Carrier, relay
 from lorafleet.publisher.result import PublishResult, Timeouts
 from lorafleet.router.client import AsyncRouterClient
 
@@ -81,6 +83,7 @@ class AsyncPublisher:
         verify: bool = True,
         relay_fanout: int = 1,
         relay_stall_s: float = 10.0,
+        carriers: Mapping[str, Carrier] | None = None,
     ) -> None:
         """Raises ``ValueError`` without agents. Connects to nothing until the first call.
 
@@ -91,6 +94,9 @@ class AsyncPublisher:
         file to this many others; 1 is a chain) and how long a hop may move no byte before it
         is dropped and resumed from the Publisher. Agents reach each other at the URLs given
         here, so these must be reachable from the agents too.
+
+        ``carriers``: more transfers by name (``lorafleet.publisher.carrier``), e.g. Ray's
+        ``object_store``; ``transfer=<name>`` picks one.
         """
         if not agents:
             raise ValueError("a Publisher needs at least one agent URL")
@@ -100,6 +106,7 @@ class AsyncPublisher:
             raise ValueError("relay_stall_s is a positive number of seconds, at most 600")
         self.relay_fanout = relay_fanout
         self.relay_stall_s = relay_stall_s
+        self.carriers: dict[str, Carrier] = {"relay": relay, **(carriers or {})}
         self.timeouts = timeouts or Timeouts()
         self.shared_dir = Path(shared_dir) if shared_dir else None
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -118,6 +125,17 @@ class AsyncPublisher:
         )
         # One lock per name: a publication of a name waits for the one before it (see above).
         self._name_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def default_transfer(self) -> str:
+        """``relay`` when the agents are on two or more hosts, else ``remote_upload``.
+
+        Chosen by measurement (bench/relay.py, bench/RESULTS.md): across hosts the relay sends
+        one copy where the star sends one per agent (4 replicas on 400 Mbit/s links: 1.45x one
+        replica's time against 3.54x); on one host the copies cross no network and forwarding
+        only costs the agents CPU (loopback: relay 0.99-1.08x the star's time).
+        """
+        hosts = {_host(a.url) for a in self._agents}
+        return "relay" if len(hosts) > 1 else "remote_upload"
 
     async def aclose(self) -> None:
         """Close the connections. Not while a publication runs."""
@@ -154,10 +172,11 @@ class AsyncPublisher:
         ``keep_versions + 1`` versions of the name during a publication, beside its other
         adapters: one that cannot is refused, by name, before any byte moves.
 
-        ``transfer``: how the bytes move. ``relay`` (the default for two or more agents): each
-        file leaves here once and the agents forward it to each other while it streams in, each
-        verifying its own copy (``_relay.py``); ``remote_upload``: one copy from here to each
-        agent; ``shared_filesystem``: written once under ``shared_dir`` for the agents to read.
+        ``transfer``: how the bytes move. ``relay``: each file leaves here once and the agents
+        forward it to each other while it streams in, each verifying its own copy
+        (``_relay.py``); ``remote_upload``: one copy from here to each agent;
+        ``shared_filesystem``: written once under ``shared_dir`` for the agents to read; or a
+        carrier's name. None: ``default_transfer()`` (relay when the agents span hosts).
 
         ``source``: an ``AdapterBundle``, a PEFT directory, a ``PeftModel`` (serialized in memory)
         or a LoRA state dict with ``config=`` (a native-only checkpoint). ``version=None`` takes
@@ -179,8 +198,8 @@ class AsyncPublisher:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness cannot be negative")
         if transfer is None:
-            transfer = "relay" if len(self._agents) > 1 else "remote_upload"
-        if transfer not in ("remote_upload", "relay", "shared_filesystem"):
+            transfer = self.default_transfer()
+        if transfer not in ("remote_upload", "shared_filesystem", *self.carriers):
             raise ValueError(f"unknown transfer mode {transfer!r}")
         if transfer == "shared_filesystem" and self.shared_dir is None:
             raise ValueError("shared_filesystem transfer needs Publisher(shared_dir=...)")
@@ -227,6 +246,7 @@ class AsyncPublisher:
                     holder=self.holder,
                     timeouts=self.timeouts,
                     on_progress=self.on_progress,
+                    carrier=self.carriers.get(transfer),
                 )
                 return await publication.run(t_start=t_start, build_s=build_s)
 
@@ -344,6 +364,16 @@ class AsyncPublisher:
         }
         if failures:
             raise PublishError("some agents are unreachable; nothing was published", failures)
+
+
+def _host(url: str) -> str:
+    """The host of an agent URL, every loopback name counted as one host."""
+    host = httpx.URL(url).host
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return "loopback" if loopback else host
 
 
 class Publisher:

@@ -94,6 +94,51 @@ class ServerActor:
     def url(self) -> str:
         return self.server.url
 
+    def pull(
+        self, refs: dict[str, ray.ObjectRef], upload_id: str, entries: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """An agent's actor: fetch each file from the object store (Ray brings it to this node)
+        and upload it to this node's agent, which verifies it. Returns, per file, the agent's
+        ``FileProgress`` (``complete``), or its refusal (``status``, ``code``, ``message``)."""
+        import httpx
+
+        from lorafleet._http import bearer, error_code, error_message
+        from lorafleet.protocol.agent import (
+            REPR_DIGEST_HEADER,
+            UPLOAD_OFFSET_HEADER,
+            file_url,
+            repr_digest,
+        )
+
+        token = getattr(self.spec, "token", None)
+        out: list[dict[str, Any]] = []
+        with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+            for e in entries:
+                data = ray.get(refs[e["path"]])
+                resp = client.put(
+                    self.server.url + file_url(upload_id, e["path"]),
+                    content=data,
+                    headers={
+                        **bearer(token),
+                        UPLOAD_OFFSET_HEADER: "0",
+                        REPR_DIGEST_HEADER: repr_digest(e["sha256"]),
+                        "Content-Type": "application/octet-stream",
+                    },
+                )
+                if resp.status_code == 200:
+                    out.append(resp.json())
+                else:
+                    out.append(
+                        {
+                            "complete": False,
+                            "status": resp.status_code,
+                            "code": error_code(resp),
+                            "message": error_message(resp),
+                        }
+                    )
+                    break
+        return out
+
     def log_tail(self, n: int = 40) -> str:
         return self.server.proc.log_tail(n)
 

@@ -47,6 +47,7 @@ from lorafleet.launch import (
 )
 from lorafleet.publisher import Publisher
 from lorafleet.ray._actors import FleetRecord, ServerActor
+from lorafleet.ray.transfer import ObjectStoreCarrier
 
 __all__ = ["EngineOnRay", "RayFleet", "attach", "attach_engines", "deploy"]
 
@@ -131,8 +132,15 @@ class RayFleet:
         return [r.engine_url for r in self.replicas]
 
     def publisher(self, **kwargs: Any) -> Publisher:
-        """A ``Publisher`` over this fleet's agents and its router (``kwargs`` go to it)."""
-        return Publisher(self.agent_urls, router=self.router_url, token=self.token, **kwargs)
+        """A ``Publisher`` over this fleet's agents and its router (``kwargs`` go to it), with
+        Ray's ``object_store`` transfer beside its own (``transfer="object_store"``)."""
+        carrier = ObjectStoreCarrier(
+            {r.agent_url: r.agent_actor for r in self.replicas}, self.namespace
+        )
+        carriers = {"object_store": carrier, **kwargs.pop("carriers", {})}
+        return Publisher(
+            self.agent_urls, router=self.router_url, token=self.token, carriers=carriers, **kwargs
+        )
 
     def actor(self, name: str) -> Any:
         return ray.get_actor(name, namespace=self.namespace)
