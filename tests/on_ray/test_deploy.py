@@ -83,22 +83,26 @@ def test_replicas_spread_engine_beside_agent_publish_and_route(fleet, adapters, 
 def test_object_store_transfer_one_put_every_agent_verifies(fleet, adapters, tiny_model):
     from lorafleet.bundle import AdapterBundle
 
-    size = AdapterBundle.from_dir(adapters["b"], name="x").total_size
+    bundle = AdapterBundle.from_dir(adapters["b"], name="x")
+    # The agents hold the config already (adapter "a" has the same one): only the weights move.
+    weights = bundle.manifest.file("adapter_model.safetensors").size
     with fleet.publisher() as pub:
         res = pub.publish(str(adapters["b"]), name="store", transfer="object_store")
     assert res.transfer == "object_store"
     assert res.bytes_sent == 0  # nothing over HTTP from here: one ray.put per file
-    assert [t.bytes_relayed for t in res.replicas.values()] == [size, size]
+    assert [t.bytes_relayed for t in res.replicas.values()] == [weights, weights]
     expected = merged_greedy_ids(tiny_model, adapters["b"], PROMPT, 8)
     for _ in range(4):
         assert _routed(fleet, "store") == (expected, res.version)
 
 
 def test_object_store_copy_that_differs_is_refused_and_rolled_back(
-    fleet, adapters, tiny_model, monkeypatch
+    fleet, adapters, tiny_model, monkeypatch, tmp_path
 ):
     from lorafleet.ray import transfer
+    from lorafleet.testing import make_peft_adapter
 
+    fresh = make_peft_adapter(tiny_model, tmp_path / "fresh", r=8, seed=77)  # bytes no agent has
     with fleet.publisher() as pub:
         v1 = pub.publish(str(adapters["a"]), name="bad-store", transfer="object_store").version
     real = transfer._read
@@ -111,7 +115,7 @@ def test_object_store_copy_that_differs_is_refused_and_rolled_back(
 
     monkeypatch.setattr(transfer, "_read", flipped)
     with fleet.publisher() as pub, pytest.raises(PublishError) as err:
-        pub.publish(str(adapters["b"]), name="bad-store", transfer="object_store")
+        pub.publish(str(fresh), name="bad-store", transfer="object_store")
     assert all("sha256" in why for why in err.value.failures.values()), err.value.failures
     assert len(err.value.failures) == 2
     expected = merged_greedy_ids(tiny_model, adapters["a"], PROMPT, 8)
@@ -131,8 +135,10 @@ def test_agent_actor_killed_mid_publication_rolls_back(fleet, adapters, tiny_mod
     before = ray.get(victim.info.remote())
     killed = []
 
+    victim_id = fleet.agent_urls[1].removeprefix("http://")
+
     def kill_agent_once(replica: str, sent: int, total: int) -> None:
-        if killed:
+        if killed or replica != victim_id:
             return
         killed.append(replica)
         ray.kill(victim, no_restart=False)  # the actor's process dies; Ray restarts it
