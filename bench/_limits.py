@@ -1,12 +1,17 @@
-"""The machine's own limits, measured in the same run as a benchmark's figures."""
+"""The machine's own limits, measured in the same run as a benchmark's figures, and the random
+test file the upload benchmarks send."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
 
+from lorafleet.bundle.manifest import FileEntry
+
 CHUNK = 1 << 20
+MiB = 1 << 20
 
 
 def write_fsync_rate(scratch: Path, size: int) -> float:
@@ -22,3 +27,14 @@ def write_fsync_rate(scratch: Path, size: int) -> float:
     rate = size / (time.perf_counter() - t)
     out.unlink()
     return rate
+
+
+def make_file(path: Path, mib: int) -> FileEntry:
+    """A file of random bytes; its sha256 computed while writing (as a bundle build would)."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for start in range(0, mib, 16):
+            buf = os.urandom(min(16, mib - start) * MiB)
+            h.update(buf)
+            f.write(buf)
+    return FileEntry(path="adapter_model.safetensors", size=mib * MiB, sha256=h.hexdigest())

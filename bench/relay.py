@@ -61,7 +61,7 @@ from typing import Any
 
 import psutil
 
-from _limits import write_fsync_rate
+from _limits import make_file, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.bundle.manifest import FileEntry, Manifest
@@ -428,17 +428,6 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
 
 
 # -- B and C: loopback ---------------------------------------------------------------------------
-
-
-def make_file(path: Path, mib: int) -> FileEntry:
-    """A file of random bytes; its sha256 computed while writing (as a bundle build would)."""
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        for start in range(0, mib, 16):
-            buf = os.urandom(min(16, mib - start) * MiB)
-            h.update(buf)
-            f.write(buf)
-    return FileEntry(path="adapter_model.safetensors", size=mib * MiB, sha256=h.hexdigest())
 
 
 def sha256_cpu(path: Path) -> tuple[float, float]:

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _limits import write_fsync_rate
+from _limits import make_file, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
@@ -33,17 +33,6 @@ from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
 CHUNK = 1 << 20
 MiB = 1 << 20
 CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
-
-
-def make_file(path: Path, mib: int) -> FileEntry:
-    """A file of random bytes; its sha256 computed while writing (as a bundle build would)."""
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        for start in range(0, mib, 16):
-            buf = os.urandom(min(16, mib - start) * MiB)
-            h.update(buf)
-            f.write(buf)
-    return FileEntry(path="adapter_model.safetensors", size=mib * MiB, sha256=h.hexdigest())
 
 
 def limits(path: Path, size: int, scratch: Path) -> tuple[float, float]:
