@@ -4,14 +4,16 @@ test file the upload benchmarks send."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
 
-from lorafleet.bundle.manifest import FileEntry
+from lorafleet.bundle.manifest import FileEntry, Manifest
 
 CHUNK = 1 << 20
 MiB = 1 << 20
+CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
 
 
 def write_fsync_rate(scratch: Path, size: int) -> float:
@@ -38,3 +40,12 @@ def make_file(path: Path, mib: int) -> FileEntry:
             h.update(buf)
             f.write(buf)
     return FileEntry(path="adapter_model.safetensors", size=mib * MiB, sha256=h.hexdigest())
+
+
+def manifest_for(entry: FileEntry, name: str, version: int) -> Manifest:
+    """A manifest of ``entry`` (the weights) and a small LoRA config, as the agent expects."""
+    cfg = json.dumps(CONFIG).encode()
+    config = FileEntry(
+        path="adapter_config.json", size=len(cfg), sha256=hashlib.sha256(cfg).hexdigest()
+    )
+    return Manifest(name=name, version=version, config=CONFIG, files=(entry, config))

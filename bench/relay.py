@@ -61,10 +61,10 @@ from typing import Any
 
 import psutil
 
-from _limits import make_file, write_fsync_rate
+from _limits import make_file, manifest_for, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
-from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.bundle.manifest import FileEntry
 from lorafleet.launch import AgentSpec, Launcher, Server
 from lorafleet.protocol.agent import (
     ForwardPlan,
@@ -81,7 +81,6 @@ CHUNK = 4 * MiB
 SIZES = (1, 2, 4)
 TRANSFERS = ("relay", "remote_upload")
 LABEL = {"relay": "relay", "remote_upload": "star"}
-CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
 
 # The Publisher process in the trainer's namespace: one Publisher per fleet size; one JSON
 # request per line on stdin (adapter, n, transfer, name), one "RESULT <json>" line per answer.
@@ -527,27 +526,12 @@ def start_agents(launcher: Launcher, root: Path, n: int) -> list[Agent]:
     return [Agent(s) for s in servers]
 
 
-def manifest_for(entry: FileEntry, version: int) -> Manifest:
-    cfg = json.dumps(CONFIG).encode()
-    return Manifest(
-        name="relaybench",
-        version=version,
-        config=CONFIG,
-        files=(
-            entry,
-            FileEntry(
-                path="adapter_config.json", size=len(cfg), sha256=hashlib.sha256(cfg).hexdigest()
-            ),
-        ),
-    )
-
-
 async def transfer_arm(
     arm: str, agents: list[Agent], src: Path, entry: FileEntry, version: int
 ) -> dict[str, Any]:
     """One timed transfer (sessions opened before, discarded after): seconds, each agent's CPU
     seconds and this process's CPU seconds during it."""
-    manifest = manifest_for(entry, version)
+    manifest = manifest_for(entry, "relaybench", version)
     used = agents[:1] if arm == "plain" else agents
     clients = [AsyncAgentClient(a.url, a.token, timeout=600) for a in used]
     sessions: list[UploadSession] = []

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import secrets
 import statistics
@@ -25,14 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from _limits import make_file, write_fsync_rate
+from _limits import make_file, manifest_for, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
-from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.bundle.manifest import FileEntry
 from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
 
 CHUNK = 1 << 20
 MiB = 1 << 20
-CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
 
 
 def limits(path: Path, size: int, scratch: Path) -> tuple[float, float]:
@@ -64,18 +62,7 @@ def start_agent(data_dir: Path, log: Path) -> tuple[ManagedProcess, str, str]:
 
 async def upload_once(url: str, token: str, src: Path, entry: FileEntry, version: int) -> float:
     """Seconds for one verified upload of ``src``; the session is discarded afterwards."""
-    cfg = json.dumps(CONFIG).encode()
-    manifest = Manifest(
-        name="bench",
-        version=version,
-        config=CONFIG,
-        files=(
-            entry,
-            FileEntry(
-                path="adapter_config.json", size=len(cfg), sha256=hashlib.sha256(cfg).hexdigest()
-            ),
-        ),
-    )
+    manifest = manifest_for(entry, "bench", version)
     async with AsyncAgentClient(url, token, timeout=600) as c:
         sess = await c.open_upload(manifest)
         t = time.perf_counter()
