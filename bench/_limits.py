@@ -1,5 +1,5 @@
 """The machine's own limits, measured in the same run as a benchmark's figures, and the random
-test file the upload benchmarks send."""
+test files and adapters the upload and transfer benchmarks send."""
 
 from __future__ import annotations
 
@@ -49,3 +49,23 @@ def manifest_for(entry: FileEntry, name: str, version: int) -> Manifest:
         path="adapter_config.json", size=len(cfg), sha256=hashlib.sha256(cfg).hexdigest()
     )
     return Manifest(name=name, version=version, config=CONFIG, files=(entry, config))
+
+
+def make_adapters(model: Path, out: Path, count: int, rank: int) -> list[Path]:
+    """``count`` real PEFT adapters (all-linear, rank ``rank``), each with different bytes."""
+    import torch
+
+    from lorafleet.testing import ALL_LINEAR, make_peft_model
+
+    peft = make_peft_model(model, r=rank, seed=14, target_modules=ALL_LINEAR)
+    lora = [p for n, p in peft.named_parameters() if "lora_" in n]
+    dirs = []
+    with torch.no_grad():
+        for i in range(count):
+            for p in lora:
+                p.mul_(1.0 + 1e-3)  # new bytes everywhere, same scale
+            d = out / f"adapter{i:02d}"
+            peft.save_pretrained(str(d))
+            dirs.append(d)
+    os.sync()
+    return dirs

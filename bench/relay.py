@@ -61,7 +61,7 @@ from typing import Any
 
 import psutil
 
-from _limits import make_file, manifest_for, write_fsync_rate
+from _limits import make_adapters, make_file, manifest_for, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.bundle.manifest import FileEntry
@@ -114,26 +114,6 @@ def loadavg() -> str:
 
 
 # -- A: the shaped bed ---------------------------------------------------------------------------
-
-
-def make_adapters(model: Path, out: Path, count: int, rank: int) -> list[Path]:
-    """``count`` real PEFT adapters (all-linear, rank ``rank``), each with different bytes."""
-    import torch
-
-    from lorafleet.testing import ALL_LINEAR, make_peft_model
-
-    peft = make_peft_model(model, r=rank, seed=14, target_modules=ALL_LINEAR)
-    lora = [p for n, p in peft.named_parameters() if "lora_" in n]
-    dirs = []
-    with torch.no_grad():
-        for i in range(count):
-            for p in lora:
-                p.mul_(1.0 + 1e-3)  # new bytes everywhere, same scale
-            d = out / f"adapter{i:02d}"
-            peft.save_pretrained(str(d))
-            dirs.append(d)
-    os.sync()
-    return dirs
 
 
 def raw_chain(bed: netbed.NetBed, hosts: list[netbed.Host], n: int) -> float:

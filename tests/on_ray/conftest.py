@@ -1,62 +1,25 @@
-"""A local three-node Ray cluster for the ``lorafleet.ray`` tests (skipped without the extra).
-
-Every node is this machine bound to 127.0.0.1 with two CPUs and a 200 MB object store; the
-dashboard is off. Ray resolves a loopback address to the host's outward one unless told that
-this is not a real cluster (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), and its temp directory is
-a short private one (socket paths must fit 107 bytes; nothing shared with another Ray on the box).
-"""
+"""A local three-node Ray cluster for the ``lorafleet.ray`` tests (skipped without the extra):
+``lorafleet.testing.raycluster``, every node this machine on 127.0.0.1."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
 
 NODES = 3
-NODE_ARGS = {
-    "num_cpus": 2,
-    "node_ip_address": "127.0.0.1",
-    "object_store_memory": 200 * 1024 * 1024,
-}
-_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[object]:
-    """The cluster, with this process connected to it as a driver."""
-    saved = {k: os.environ.get(k) for k in (*_ENV, "RAY_TMPDIR")}
-    os.environ.update(_ENV)  # before ray is imported: read at import
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    from ray.cluster_utils import Cluster
+    """The cluster (2 CPUs and a 200 MiB object store per node), this process its driver."""
+    if importlib.util.find_spec("ray") is None:  # not imported here: see local_cluster
+        pytest.skip("the ray extra is not installed")
+    from lorafleet.testing.raycluster import local_cluster
 
-    tmp = tempfile.mkdtemp(prefix="lfray", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = tmp
-    os.makedirs(f"{tmp}/ray")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**NODE_ARGS, "include_dashboard": False, "temp_dir": f"{tmp}/ray"},
-    )
-    try:
-        for _ in range(NODES - 1):
-            cluster.add_node(**NODE_ARGS)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    with local_cluster(NODES, num_cpus=2, object_store_mib=200) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

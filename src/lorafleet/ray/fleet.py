@@ -243,6 +243,7 @@ def deploy(
     engine: str = "reference",
     model: str | Path | None = None,
     engine_args: Mapping[str, Any] | None = None,
+    agent_args: Mapping[str, Any] | None = None,
     namespace: str = DEFAULT_NAMESPACE,
     engine_cpus: float = 1.0,
     engine_gpus: float = 0.0,
@@ -263,7 +264,8 @@ def deploy(
     process is connected to (``ray.init`` first). See the module docstring for the placement.
 
     ``engine``: reference, vllm or sglang; ``engine_args`` go to its spec
-    (``lorafleet.launch.ReferenceEngineSpec``, ``VLLMSpec``, ``SGLangSpec``). ``model``: a path
+    (``lorafleet.launch.ReferenceEngineSpec``, ``VLLMSpec``, ``SGLangSpec``), ``agent_args`` to
+    every ``AgentSpec`` (e.g. ``max_lora_rank``). ``model``: a path
     valid on every node (required for vllm and sglang; the reference engine defaults to the tiny
     model, generated on each node). ``token``/``api_key``: the control token of agents and
     router and the router's inference key; None generates them (``api_key=""``: open data plane).
@@ -330,6 +332,7 @@ def deploy(
                 i, engine, eng["url"], root, token, namespace,
                 strategy=PlacementGroupSchedulingStrategy(pg, 0),
                 detached=detached, num_cpus=agent_cpus, max_restarts=max_restarts, bind=bind,
+                agent_args=agent_args,
             )
             for i, ((_, pg), eng) in enumerate(zip(pgs, engines, strict=True))
         ]  # fmt: skip
@@ -361,6 +364,7 @@ def attach_engines(
     namespace: str = DEFAULT_NAMESPACE,
     served_model_name: str = "tiny",
     model: str | None = None,
+    agent_args: Mapping[str, Any] | None = None,
     agent_cpus: float = 0.25,
     router_cpus: float = 0.25,
     token: str | None = None,
@@ -397,6 +401,7 @@ def attach_engines(
                 i, eng.engine, eng.url.rstrip("/"), root, token, namespace,
                 strategy=NodeAffinitySchedulingStrategy(eng.node_id, soft=False),
                 detached=detached, num_cpus=agent_cpus, max_restarts=max_restarts, bind=bind,
+                agent_args=agent_args,
             )
             for i, eng in enumerate(engines)
         ]  # fmt: skip
@@ -437,6 +442,7 @@ def _start_agent_actor(
     num_cpus: float,
     max_restarts: int,
     bind: str,
+    agent_args: Mapping[str, Any] | None = None,
 ) -> tuple[str, Any]:
     """Replica ``i``'s agent as a named actor placed by ``strategy`` (beside its engine)."""
     spec = AgentSpec(
@@ -446,6 +452,7 @@ def _start_agent_actor(
         token=token,
         replica_id=f"replica-{i}",
         name=f"agent-{i}",
+        **dict(agent_args or {}),
     )
     name = f"lorafleet-agent-{i}"
     actor = _ServerActor.options(
