@@ -26,6 +26,8 @@ Control plane (the control token, separate from the inference key)::
     DELETE /v1/control/leases/{name}/{holder}  -> 204 (the holder releases its lease)
     DELETE /v1/control/leases/{name}           -> 204 (an operator breaks whatever lease is held)
     GET    /v1/control/replicas                -> ReplicaList
+    PUT    /v1/control/replicas/{replica_id}   MoveReplicaRequest -> ReplicaStatus (the replica
+                                               was re-placed: it answers at a new agent URL)
 
 Names, engine names, lease holders and versions follow ``lorafleet.protocol.names``.
 """
@@ -41,6 +43,7 @@ from lorafleet.protocol.names import EngineName, LeaseHolder, Version
 __all__ = [
     "ADAPTER_HEADER",
     "MAX_REPLICAS",
+    "MAX_REPLICA_ID",
     "REPLICA_HEADER",
     "SESSION_HEADER",
     "TAG_FIELD",
@@ -52,6 +55,7 @@ __all__ = [
     "DrainResponse",
     "Lease",
     "LeaseRequest",
+    "MoveReplicaRequest",
     "ReplicaList",
     "ReplicaStatus",
     "RoutableVersion",
@@ -67,6 +71,7 @@ REPLICA_HEADER = "X-Lorafleet-Replica"
 SESSION_HEADER = "X-Session-ID"
 TAG_FIELD = "lorafleet"
 MAX_REPLICAS = 4096
+MAX_REPLICA_ID = 256
 
 
 class _Model(BaseModel):
@@ -191,6 +196,18 @@ class ReplicaStatus(_Model):
 
 class ReplicaList(_Model):
     replicas: list[ReplicaStatus]
+
+
+class MoveReplicaRequest(_Model):
+    """``PUT /v1/control/replicas/{replica_id}``: the replica was re-placed (e.g. its node died
+    and a scheduler started it elsewhere) and its agent now answers at ``agent_url``.
+
+    The router polls the new URL from then on and takes the replica off every version it was
+    listed for: a re-placed replica holds nothing the router knows of until a publication lists
+    it again. The same URL again changes nothing (a retry is safe)."""
+
+    agent_url: str = Field(min_length=1, max_length=2048)
+    """``http(s)://host[:port]``, no path, query or user; not another replica's."""
 
 
 class RouterHealth(_Model):

@@ -13,9 +13,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import aiohttp
 from fastapi import Depends, FastAPI, Response
+from fastapi import Path as FastAPIPath
 from prometheus_client import generate_latest
 
 from lorafleet._service import (
@@ -29,22 +31,25 @@ from lorafleet._service import (
     streamed_ok,
     token_guard,
 )
-from lorafleet.errors import UnknownReplica, VersionConflict
+from lorafleet.errors import InvalidRequest, NotFound, UnknownReplica, VersionConflict
+from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.errors import ErrorResponse
 from lorafleet.protocol.names import AdapterName, LeaseHolder
 from lorafleet.protocol.router import (
+    MAX_REPLICA_ID,
     AliasEntry,
     AliasTable,
     DrainRequest,
     DrainResponse,
     Lease,
     LeaseRequest,
+    MoveReplicaRequest,
     ReplicaList,
     ReplicaStatus,
     RouterHealth,
     SetAliasRequest,
 )
-from lorafleet.router.balancer import Balancer
+from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.health import HealthPoller
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy
@@ -172,6 +177,17 @@ class RouterApp:
             gauge.set(self.balancer.count(adapter, version))
         for r in self.balancer.replicas:
             self.metrics.replica_inflight.labels(r.replica_id or r.agent_url).set(r.inflight)
+
+
+def _status(r: Replica) -> ReplicaStatus:
+    return ReplicaStatus(
+        replica_id=r.replica_id or r.agent_url,
+        agent_url=r.agent_url,
+        engine_url=r.engine_url,
+        healthy=r.routable,
+        inflight=r.inflight,
+        detail=r.detail,
+    )
 
 
 def _build_api(router: RouterApp) -> FastAPI:
@@ -360,19 +376,47 @@ def _build_api(router: RouterApp) -> FastAPI:
         responses=errors(401, 403),
     )
     async def replicas() -> ReplicaList:
-        return ReplicaList(
-            replicas=[
-                ReplicaStatus(
-                    replica_id=r.replica_id or r.agent_url,
-                    agent_url=r.agent_url,
-                    engine_url=r.engine_url,
-                    healthy=r.routable,
-                    inflight=r.inflight,
-                    detail=r.detail,
-                )
-                for r in balancer.replicas
-            ]
-        )
+        return ReplicaList(replicas=[_status(r) for r in balancer.replicas])
+
+    @app.put(
+        "/v1/control/replicas/{replica_id}",
+        dependencies=ctl,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 404, 413),
+    )
+    async def move_replica(
+        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)], req: MoveReplicaRequest
+    ) -> ReplicaStatus:
+        """The replica was re-placed and answers at ``agent_url`` now: polled there, and off
+        every version until a publication lists it again (see ``MoveReplicaRequest``)."""
+        try:
+            url = check_peer_url(req.agent_url)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="agent_url") from None
+        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
+        if not found:
+            raise NotFound(
+                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
+                param="replica_id",
+            )
+        r = found[0]
+        if url == r.agent_url:
+            return _status(r)
+        taken = [o for o in balancer.replicas if o is not r and o.agent_url == url]
+        if taken:
+            raise InvalidRequest(
+                f"{url} is the agent of replica {taken[0].replica_id or url!r}", param="agent_url"
+            )
+        was = r.agent_url
+        r.replica_id = r.replica_id or replica_id
+        names = store.forget_replica(r.replica_id)
+        balancer.move(r, url)
+        balancer.reindex()
+        log.warning(
+            "replica %s re-placed: %s -> %s; taken off %d name(s) until republished",
+            r.replica_id, was, url, len(names),
+        )  # fmt: skip
+        return _status(r)
 
     finish_openapi(app, lambda schema: _document_data_plane(schema, cfg.api_key is not None))
     return app

@@ -77,6 +77,17 @@ class Balancer:
     def reindex(self) -> None:
         self.by_id = {r.replica_id: r for r in self.replicas if r.replica_id}
 
+    def move(self, r: Replica, agent_url: str) -> None:
+        """``r`` answers at ``agent_url`` from now on: out of rotation, its identity relearned
+        at the next poll, no session stuck to it."""
+        r.agent_url = agent_url
+        r.engine_url = None
+        r.healthy = r.probed = False
+        r.failures = r.successes = 0
+        r.detail = f"re-placed at {agent_url}, not polled yet"
+        for session in [s for s, got in self.sessions.items() if got is r]:
+            del self.sessions[session]
+
     def base_models(self) -> set[str]:
         return {r.base_model for r in self.replicas if r.base_model}
 

@@ -18,7 +18,9 @@ from lorafleet.protocol.router import (
     DrainResponse,
     Lease,
     LeaseRequest,
+    MoveReplicaRequest,
     ReplicaList,
+    ReplicaStatus,
     SessionPolicy,
     SetAliasRequest,
 )
@@ -139,3 +141,12 @@ class AsyncRouterClient:
     async def replicas(self) -> ReplicaList:
         r = await self._call("GET", "/v1/control/replicas")
         return ReplicaList.model_validate_json(r.content)
+
+    async def move_replica(self, replica_id: str, agent_url: str) -> ReplicaStatus:
+        """Tell the router ``replica_id`` was re-placed and answers at ``agent_url`` now."""
+        r = await self._call(
+            "PUT",
+            f"/v1/control/replicas/{quote(replica_id, safe='')}",
+            json=MoveReplicaRequest(agent_url=agent_url).model_dump(),
+        )
+        return ReplicaStatus.model_validate_json(r.content)

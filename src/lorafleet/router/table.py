@@ -226,6 +226,29 @@ class AliasStore:
         self.aliases, self.log, self.seq = aliases, log, event.seq
         return event
 
+    def forget_replica(self, replica_id: str) -> list[str]:
+        """Take ``replica_id`` off every routable version (it was re-placed and holds none of
+        them now). Returns the names whose holders changed; a version left without a holder
+        answers 503 ``no_replica`` until a publication lists one again."""
+
+        def without(ids: list[str]) -> list[str]:
+            return [r for r in ids if r != replica_id]
+
+        changed = {}
+        for name, entry in self.aliases.items():
+            window = entry.window()
+            if not any(replica_id in v.replicas for v in window):
+                continue
+            routable = [v.model_copy(update={"replicas": without(v.replicas)}) for v in window]
+            changed[name] = entry.model_copy(
+                update={"replicas": without(entry.replicas), "routable": routable}
+            )
+        if changed:
+            aliases = {**self.aliases, **changed}
+            self._persist(aliases, self.log, self.seq, self.leases)
+            self.aliases = aliases
+        return sorted(changed)
+
     def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
         """Grant or renew; ``PublishInProgress`` if another holder has it."""
         self._check_lease(name, holder)

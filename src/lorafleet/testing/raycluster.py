@@ -25,7 +25,9 @@ def local_cluster(
     nodes: int = 3, *, num_cpus: int = 2, object_store_mib: int = 200, **node_args: Any
 ) -> Iterator[Any]:
     """``nodes`` Ray nodes on 127.0.0.1 (a ``ray.cluster_utils.Cluster``), with this process
-    connected as a driver; everything is shut down and the environment restored on exit."""
+    connected as a driver; everything is shut down and the environment restored on exit.
+
+    ``cluster.node_args`` holds the nodes' arguments, for ``cluster.add_node(**node_args)``."""
     saved = {k: os.environ.get(k) for k in (*RAY_ENV, "RAY_TMPDIR")}
     os.environ.update(RAY_ENV)  # before ray is imported
     tmp = tempfile.mkdtemp(prefix="lfray", dir="/tmp")
@@ -45,6 +47,7 @@ def local_cluster(
             initialize_head=True,
             head_node_args={**args, "include_dashboard": False, "temp_dir": f"{tmp}/ray"},
         )
+        cluster.node_args = args
         try:
             for _ in range(nodes - 1):
                 cluster.add_node(**args)

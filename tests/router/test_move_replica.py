@@ -1,0 +1,109 @@
+"""``PUT /v1/control/replicas/{id}``: a re-placed replica is polled at its new agent URL and taken
+off every version it held (durably), and bad moves are precise 4xx that change nothing.
+
+End to end (a Ray node dies, its replica comes back elsewhere): tests/on_ray/test_node_loss.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from lorafleet.router.app import RouterConfig, create_app
+from lorafleet.router.table import AliasStore
+
+TOKEN = "ctl-t0ken"
+H = {"Authorization": f"Bearer {TOKEN}"}
+OLD = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+
+
+@pytest.fixture
+def router(tmp_path):
+    app = create_app(RouterConfig(agents=OLD, control_token=TOKEN, state_dir=str(tmp_path)))
+    for i, r in enumerate(app.balancer.replicas):  # as if the agents had been polled
+        r.replica_id, r.engine_url, r.healthy, r.probed = f"r{i}", f"http://e{i}", True, True
+    app.balancer.reindex()
+    client = TestClient(app.api, raise_server_exceptions=False)
+    client.app_ = app  # type: ignore[attr-defined]
+    return client
+
+
+def _flip(router, name, version, replicas, keep=1):
+    body = {
+        "version": version,
+        "engine_name": f"{name}@v{version}",
+        "replicas": replicas,
+        "keep_versions": keep,
+    }
+    r = router.put(f"/v1/control/aliases/{name}", json=body, headers=H)
+    assert r.status_code == 200, r.text
+
+
+def _holders(router):
+    table = router.get("/v1/control/aliases", headers=H).json()["aliases"]
+    return {
+        (name, v["version"]): v["replicas"] for name, e in table.items() for v in e["routable"]
+    }
+
+
+def test_a_moved_replica_is_polled_at_its_new_url_and_holds_nothing(router, tmp_path):
+    _flip(router, "a", 1, ["r0", "r1"])
+    _flip(router, "a", 2, ["r0", "r1"], keep=2)
+    _flip(router, "solo", 1, ["r1"])
+    _flip(router, "other", 1, ["r0"])
+    app = router.app_
+    app.balancer.sessions["s"] = app.balancer.replicas[1]
+
+    r = router.put("/v1/control/replicas/r1", json={"agent_url": "http://127.0.0.1:11/"}, headers=H)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["replica_id"] == "r1" and got["agent_url"] == "http://127.0.0.1:11"
+    assert got["healthy"] is False and got["engine_url"] is None  # relearned at the next poll
+    moved = app.balancer.replicas[1]
+    assert moved.agent_url == "http://127.0.0.1:11" and "s" not in app.balancer.sessions
+    assert _holders(router) == {
+        ("a", 2): ["r0"],
+        ("a", 1): ["r0"],
+        ("solo", 1): [],  # its only holder moved: 503 no_replica until republished
+        ("other", 1): ["r0"],
+    }
+    # Durable: a restarted router reads the same holders.
+    again = AliasStore(tmp_path)
+    assert again.aliases["a"].replicas == ["r0"] and again.aliases["solo"].replicas == []
+
+    # The same URL again is a no-op: a retry does not take the replica off what it got since.
+    _flip(router, "a", 3, ["r0", "r1"], keep=2)
+    r = router.put("/v1/control/replicas/r1", json={"agent_url": "http://127.0.0.1:11"}, headers=H)
+    assert r.status_code == 200 and _holders(router)[("a", 3)] == ["r0", "r1"]
+
+
+@pytest.mark.parametrize(
+    ("replica", "body", "status", "code"),
+    [
+        ("r9", {"agent_url": "http://127.0.0.1:11"}, 404, "not_found"),
+        ("r" * 300, {"agent_url": "http://127.0.0.1:11"}, 400, "invalid_request"),
+        ("r1", {"agent_url": "http://127.0.0.1:9"}, 400, "invalid_request"),  # r0's agent
+        ("r1", {"agent_url": "ftp://127.0.0.1:11"}, 400, "invalid_request"),
+        ("r1", {"agent_url": "http://u:p@127.0.0.1:11"}, 400, "invalid_request"),
+        ("r1", {"agent_url": "http://127.0.0.1:11/v1"}, 400, "invalid_request"),
+        ("r1", {"agent_url": "not a url"}, 400, "invalid_request"),
+        ("r1", {"agent_url": ""}, 400, "invalid_request"),
+        ("r1", {"agent_url": "http://127.0.0.1:11", "extra": 1}, 400, "invalid_request"),
+        ("r1", {}, 400, "invalid_request"),
+    ],
+)
+def test_bad_moves_are_precise_4xx_and_change_nothing(router, replica, body, status, code):
+    _flip(router, "a", 1, ["r0", "r1"])
+    r = router.put(f"/v1/control/replicas/{replica}", json=body, headers=H)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    assert [x.agent_url for x in router.app_.balancer.replicas] == OLD
+    assert _holders(router) == {("a", 1): ["r0", "r1"]}
+
+
+def test_moving_needs_the_control_token(router):
+    body = {"agent_url": "http://127.0.0.1:11"}
+    assert router.put("/v1/control/replicas/r1", json=body).status_code == 401
+    bad = {"Authorization": "Bearer nope"}
+    assert router.put("/v1/control/replicas/r1", json=body, headers=bad).status_code == 403
+    assert [x.agent_url for x in router.app_.balancer.replicas] == OLD
