@@ -41,9 +41,7 @@ def _flip(router, name, version, replicas, keep=1):
 
 def _holders(router):
     table = router.get("/v1/control/aliases", headers=H).json()["aliases"]
-    return {
-        (name, v["version"]): v["replicas"] for name, e in table.items() for v in e["routable"]
-    }
+    return {(name, v["version"]): v["replicas"] for name, e in table.items() for v in e["routable"]}
 
 
 def test_a_moved_replica_is_polled_at_its_new_url_and_holds_nothing(router, tmp_path):
