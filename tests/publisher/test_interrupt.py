@@ -54,7 +54,8 @@ TRAINER = textwrap.dedent(
         sum(f.stat().st_size for f in (Path(d) / "staging").rglob("*") if f.is_file())
         for d in args["data_dirs"]
     ]
-    seen = {"outcome": outcome, "lease_free": lease_free, "held": held, "staging": staging}
+    seen = {"outcome": outcome, "lease_free": lease_free, "held": held, "staging": staging,
+            "signalled": bool(interrupted)}
     print(json.dumps(seen), flush=True)
     pub.close()
     """
@@ -90,6 +91,7 @@ def test_ctrl_c_rolls_back_before_publish_raises(launcher, make_fleet, tiny_mode
         "lease_free": True,
         "held": [[1], [1]],
         "staging": [0, 0],
+        "signalled": True,  # False: no progress report fell inside the upload
     }, proc.stderr
     assert fleet.staging_bytes() == [0, 0]
     # and the next publication goes through
