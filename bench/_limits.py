@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -14,6 +15,22 @@ from lorafleet.bundle.manifest import FileEntry, Manifest
 CHUNK = 1 << 20
 MiB = 1 << 20
 CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
+
+
+def med(xs: list[float]) -> float:
+    """The median (NaN for no samples): the figure the benchmarks quote on a noisy machine."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def sha256_rate(path: Path) -> float:
+    """Bytes/s of sha256 over ``path`` (cached) in 1 MiB reads."""
+    size = path.stat().st_size
+    t = time.perf_counter()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(CHUNK):
+            h.update(b)
+    return size / (time.perf_counter() - t)
 
 
 def write_fsync_rate(scratch: Path, size: int) -> float:

@@ -31,32 +31,20 @@ Usage: python bench/ray_transfer.py [--runs 3] [--replicas 3] [--nodes 3] [--ran
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from _limits import make_adapters, write_fsync_rate
+from _limits import make_adapters, med, sha256_rate, write_fsync_rate
 from lorafleet.testing.raycluster import local_cluster
 from lorafleet.tinymodel import ensure_tiny_model
 
 MiB = 1 << 20
 TRANSFERS = ("remote_upload", "relay", "object_store")
 LABEL = {"remote_upload": "star", "relay": "relay", "object_store": "object store"}
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def sha256_rate(data: bytes) -> float:
-    t = time.perf_counter()
-    hashlib.sha256(data).digest()
-    return len(data) / (time.perf_counter() - t)
 
 
 def ray_broadcast(node_ids: list[str], size: int) -> float:
@@ -136,8 +124,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
             with fleet.publisher() as pub:
                 pub.publish(str(next(it)), name="policy")  # warm-up: retires nothing
                 for i in range(args.runs):
-                    data = weights.read_bytes()
-                    sha = sha256_rate(data)
+                    sha = sha256_rate(weights)
                     wr = write_fsync_rate(work, size)
                     floor = max(n * size / wr, n * size / (cores * sha))
                     bcast = ray_broadcast(nodes, size)

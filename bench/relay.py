@@ -49,7 +49,6 @@ import os
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ from typing import Any
 
 import psutil
 
-from _limits import make_adapters, make_file, manifest_for, write_fsync_rate
+from _limits import make_adapters, make_file, manifest_for, med, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
 from lorafleet.bundle.manifest import FileEntry
@@ -103,10 +102,6 @@ for line in sys.stdin:
 for pub in pubs.values():
     pub.close()
 """
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def loadavg() -> str:

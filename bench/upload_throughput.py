@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import secrets
 import statistics
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _limits import make_file, manifest_for, write_fsync_rate
+from _limits import make_file, manifest_for, sha256_rate, write_fsync_rate
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle.manifest import FileEntry
 from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
@@ -35,14 +34,7 @@ MiB = 1 << 20
 
 def limits(path: Path, size: int, scratch: Path) -> tuple[float, float]:
     """Bytes/s of sha256 over the (cached) source, and of write+fsync to the agent's disk."""
-    t = time.perf_counter()
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(CHUNK):
-            h.update(b)
-    sha = size / (time.perf_counter() - t)
-    wr = write_fsync_rate(scratch, size)
-    return sha, wr
+    return sha256_rate(path), write_fsync_rate(scratch, size)
 
 
 def start_agent(data_dir: Path, log: Path) -> tuple[ManagedProcess, str, str]:
