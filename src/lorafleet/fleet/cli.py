@@ -160,8 +160,14 @@ def _up_on_ray(console: Console, config: FleetConfig, address: str | None, names
         )
         path = fleet.write_fleet_file(data_dir, pid=os.getpid())
         _print_ray_banner(console, fleet, path)
+        seen = (fleet.router_url, fleet.agent_urls)
         while True:
-            time.sleep(1.0)  # the signal handler raises _Stop out of here
+            time.sleep(5.0)  # the signal handler raises _Stop out of here
+            # A replica re-placed after a node loss answers elsewhere: keep fleet.json true.
+            if (fleet.refresh().router_url, fleet.agent_urls) != seen:
+                seen = (fleet.router_url, fleet.agent_urls)
+                fleet.write_fleet_file(data_dir, pid=os.getpid())
+                console.print(f"[yellow]a replica moved: agents {', '.join(seen[1])}[/yellow]")
     except _Stop as stop:
         console.print(f"\n{stop}: stopping the fleet…")
     except (RuntimeError, TimeoutError, ValueError) as exc:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorafleet._atomic import atomic_write
+
 __all__ = [
     "FLEET_FILE",
     "FORMAT",
@@ -102,13 +104,7 @@ def write_fleet_file(info: FleetInfo, data_dir: str | os.PathLike) -> Path:
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / FLEET_FILE
-    tmp = d / f".{FLEET_FILE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info.to_json(), f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o600)  # O_CREAT honours umask only downwards; make it exact
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(info.to_json(), indent=2) + "\n").encode(), mode=0o600)
     return path
 
 

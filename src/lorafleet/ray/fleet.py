@@ -8,11 +8,14 @@ What runs where:
 - each actor is a ``ServerActor``: it launches its server (``lorafleet engine|agent|router`` or a
   real vLLM/SGLang server) as a subprocess with the ``lorafleet.launch`` specs, listening on the
   node's address;
-- one router actor anywhere; one small ``FleetRecord`` actor remembers the fleet (URLs, tokens,
-  actor names), so ``attach(namespace)`` needs no URL list.
+- one router actor and one small ``FleetRecord`` actor that remembers the fleet (URLs, tokens,
+  actor names), so ``attach(namespace)`` needs no URL list; both prefer the head node (soft).
 
 Every actor is named in the fleet's namespace and restarted by Ray when its process dies
-(``max_restarts``); a restarted actor takes its server's port again.
+(``max_restarts``); a restarted actor takes its server's port again. When a node dies, Ray
+re-places its replicas' placement groups on other nodes; the re-placed agent tells the record
+and the router its new URL (see ``lorafleet.ray._actors``), and ``RayFleet.publisher()`` reads
+the record again, so the next publication reaches it.
 """
 
 from __future__ import annotations
@@ -46,14 +49,14 @@ from lorafleet.launch import (
     VLLMSpec,
 )
 from lorafleet.publisher import Publisher
-from lorafleet.ray._actors import FleetRecord, ServerActor
+from lorafleet.ray._actors import Seat, ServerActor
+from lorafleet.ray._record import RECORD, FleetRecord, find_record
 from lorafleet.ray.transfer import ObjectStoreCarrier
 
 __all__ = ["EngineOnRay", "RayFleet", "attach", "attach_engines", "deploy"]
 
 DEFAULT_NAMESPACE = "lorafleet"
 DEFAULT_WORKDIR = "/tmp/lorafleet-ray"
-_RECORD = "lorafleet-fleet"
 _ROUTER = "lorafleet-router"
 _ENGINE_SPECS: dict[str, type[ServerSpec]] = {
     "reference": ReferenceEngineSpec,
@@ -131,9 +134,23 @@ class RayFleet:
     def engine_urls(self) -> list[str]:
         return [r.engine_url for r in self.replicas]
 
+    def refresh(self) -> RayFleet:
+        """Read the fleet's record again: replicas re-placed after a node loss have new URLs.
+        Keeps what it knew when the record actor does not answer."""
+        record = find_record(self.namespace)
+        if record is not None:
+            try:
+                now = RayFleet.from_record(ray.get(record.get.remote(), timeout=30))
+            except (ray.exceptions.RayError, TimeoutError):
+                return self
+            self.router_url, self.replicas = now.router_url, now.replicas
+        return self
+
     def publisher(self, **kwargs: Any) -> Publisher:
         """A ``Publisher`` over this fleet's agents and its router (``kwargs`` go to it), with
-        Ray's ``object_store`` transfer beside its own (``transfer="object_store"``)."""
+        Ray's ``object_store`` transfer beside its own (``transfer="object_store"``). Reads the
+        record first (``refresh``)."""
+        self.refresh()
         carrier = ObjectStoreCarrier(
             {r.agent_url: r.agent_actor for r in self.replicas}, self.namespace
         )
@@ -201,10 +218,11 @@ class RayFleet:
         )
 
     def status(self):
-        """The router's and every agent's view (``lorafleet.fleet.status.FleetStatus``)."""
+        """The router's and every agent's view (``lorafleet.fleet.status.FleetStatus``), at
+        the URLs the record holds now (``refresh``)."""
         from lorafleet.fleet.status import collect_status
 
-        return collect_status(self.info())
+        return collect_status(self.refresh().info())
 
     def write_fleet_file(self, data_dir: str | Path, pid: int | None = None) -> Path:
         """Write ``fleet.json`` so ``lorafleet status`` and ``publish --fleet`` find this fleet
@@ -219,7 +237,11 @@ class RayFleet:
         names += [r.agent_actor for r in self.replicas]
         names += [r.engine_actor for r in self.replicas if r.engine_actor]
         _kill_actors(names, self.namespace)
-        _kill_actors([_RECORD], self.namespace, stop=False)
+        record = find_record(self.namespace)
+        if record is not None:  # its file holds the tokens
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                ray.get(record.forget.remote(), timeout=30)
+        _kill_actors([RECORD], self.namespace, stop=False)
         for pg_name in self.placement_groups:
             with contextlib.suppress(ValueError):
                 remove_placement_group(ray.util.get_placement_group(pg_name))
@@ -231,7 +253,7 @@ def attach(namespace: str = DEFAULT_NAMESPACE) -> RayFleet:
     Raises ``LookupError`` when no fleet runs there.
     """
     try:
-        record = ray.get_actor(_RECORD, namespace=namespace)
+        record = ray.get_actor(RECORD, namespace=namespace)
     except ValueError as exc:
         raise LookupError(f"no lorafleet fleet in Ray namespace {namespace!r}") from exc
     return RayFleet.from_record(ray.get(record.get.remote()))
@@ -324,7 +346,13 @@ def deploy(
                 resources=dict(engine_resources or {}),
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            ).remote(spec, f"{root}/replica-{i}", bind, tiny_model=model is None)
+            ).remote(
+                spec,
+                f"{root}/replica-{i}",
+                bind,
+                tiny_model=model is None,
+                seat=Seat(namespace, "engine", replica=i),
+            )
             engine_actors.append((name, actor))
         engines = ray.get([a.info.remote() for _, a in engine_actors])
         agent_actors = [
@@ -332,7 +360,7 @@ def deploy(
                 i, engine, eng["url"], root, token, namespace,
                 strategy=PlacementGroupSchedulingStrategy(pg, 0),
                 detached=detached, num_cpus=agent_cpus, max_restarts=max_restarts, bind=bind,
-                agent_args=agent_args,
+                agent_args=agent_args, engine_actor=engine_actors[i][0],
             )
             for i, ((_, pg), eng) in enumerate(zip(pgs, engines, strict=True))
         ]  # fmt: skip
@@ -443,12 +471,14 @@ def _start_agent_actor(
     max_restarts: int,
     bind: str,
     agent_args: Mapping[str, Any] | None = None,
+    engine_actor: str | None = None,
 ) -> tuple[str, Any]:
-    """Replica ``i``'s agent as a named actor placed by ``strategy`` (beside its engine)."""
+    """Replica ``i``'s agent as a named actor placed by ``strategy`` (beside its engine).
+    ``engine_actor``: the engine's actor, asked for its URL again after a re-placement."""
     spec = AgentSpec(
         engine=engine,
         engine_url=engine_url,
-        data_dir=Path(f"{root}/replica-{i}/agent"),
+        data_dir=Path("agent"),  # relative: on the agent's node (ServerActor)
         token=token,
         replica_id=f"replica-{i}",
         name=f"agent-{i}",
@@ -462,13 +492,13 @@ def _start_agent_actor(
         num_cpus=num_cpus,
         max_restarts=max_restarts,
         scheduling_strategy=strategy,
-    ).remote(spec, f"{root}/replica-{i}", bind)
+    ).remote(spec, f"{root}/replica-{i}", bind, seat=Seat(namespace, "agent", i, engine_actor))
     return name, actor
 
 
 def _refuse_existing(namespace: str) -> None:
     with contextlib.suppress(ValueError):
-        ray.get_actor(_RECORD, namespace=namespace)
+        ray.get_actor(RECORD, namespace=namespace)
         raise ValueError(
             f"Ray namespace {namespace!r} already holds a lorafleet fleet: attach() to it or "
             "shut it down first"
@@ -508,7 +538,7 @@ def _start_router(
         agents=tuple(fleet.agent_urls),
         token=fleet.token,
         api_key=fleet.api_key,
-        state_dir=Path(f"{root}/router/state"),
+        state_dir=Path("state"),  # relative: on the router's node (ServerActor)
         name="router",
         **router_args,
     )
@@ -518,14 +548,29 @@ def _start_router(
         lifetime="detached" if detached else None,
         num_cpus=cpus,
         max_restarts=max_restarts,
-    ).remote(spec, f"{root}/router", bind)
+        scheduling_strategy=_head_node(),
+    ).remote(spec, f"{root}/router", bind, seat=Seat(fleet.namespace, "router"))
     fleet.router_url = ray.get(router.info.remote())["url"]
-    _FleetRecord.options(
-        name=_RECORD,
+    record = _FleetRecord.options(
+        name=RECORD,
         namespace=fleet.namespace,
         lifetime="detached" if detached else None,
         num_cpus=0,
-    ).remote(fleet.to_record())
+        max_restarts=-1,
+        scheduling_strategy=_head_node(),
+    ).remote(fleet.to_record(), f"{root}/record.json")
+    ray.get(record.get.remote())  # written to its file before anyone may need it
+
+
+def _head_node() -> Any:
+    """Prefer the head node (soft): the router's state and the record's file live on their
+    node's disk, and the head node is the one a cluster cannot lose and go on."""
+    head = [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
+    ]
+    return NodeAffinitySchedulingStrategy(head[0], soft=True) if head else "DEFAULT"
 
 
 def _kill_actors(names: Sequence[str], namespace: str, *, stop: bool = True) -> None:

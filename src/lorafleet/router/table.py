@@ -12,15 +12,14 @@ what survives a restart. Errors are ``lorafleet.errors`` classes with the protoc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet._atomic import atomic_write
 from lorafleet.errors import InvalidName, NotFound, PublishInProgress, VersionConflict
 from lorafleet.protocol.names import check_engine_name, check_holder, check_name
 from lorafleet.protocol.router import (
@@ -48,26 +47,6 @@ class LeaseRecord:
     holder: str
     expires_at: float
     """Wall-clock seconds, so a persisted lease means the same thing after a restart."""
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so a crash leaves either the old or the new file, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # make the rename itself durable
-    finally:
-        os.close(dfd)
 
 
 class AliasStore:
@@ -127,7 +106,7 @@ class AliasStore:
                 k: {"holder": v.holder, "expires_at": v.expires_at} for k, v in leases.items()
             },
         }
-        _atomic_write(self.path, json.dumps(doc, separators=(",", ":")).encode())
+        atomic_write(self.path, json.dumps(doc, separators=(",", ":")).encode())
 
     # --- reads ---------------------------------------------------------------------------------
 
