@@ -322,7 +322,8 @@ def _venv_python(env_var: str, setup_script: str) -> Path:
 
     venv = os.environ.get(env_var)
     if not venv:
-        script = Path(__file__).resolve().parents[2] / "scripts" / setup_script
+        # src/lorafleet/testing/__init__.py: the checkout root is three folders up
+        script = Path(__file__).resolve().parents[3] / "scripts" / setup_script
         out = subprocess.run([str(script)], check=True, capture_output=True, text=True)
         venv = out.stdout.strip().splitlines()[-1]
     return Path(venv) / "bin" / "python"
