@@ -105,3 +105,51 @@ def test_moving_needs_the_control_token(router):
     bad = {"Authorization": "Bearer nope"}
     assert router.put("/v1/control/replicas/r1", json=body, headers=bad).status_code == 403
     assert [x.agent_url for x in router.app_.balancer.replicas] == OLD
+
+
+@pytest.mark.parametrize("old_answer", [200, 503])
+def test_a_probe_in_flight_when_the_replica_moves_counts_for_nothing(old_answer):
+    """The old address's answer (good or bad) arrives after the move: it must neither put the
+    moved replica into rotation before its new URL answered nor count a failure against it."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from lorafleet.router.balancer import Balancer
+    from lorafleet.router.health import HealthPoller
+
+    async def scenario() -> None:
+        asked, release = asyncio.Event(), asyncio.Event()
+
+        async def health(request: web.Request) -> web.Response:
+            asked.set()
+            await release.wait()
+            return web.Response(status=old_answer)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            balancer = Balancer([f"http://127.0.0.1:{port}"])
+            r = balancer.replicas[0]
+            r.replica_id, r.engine_url, r.healthy, r.probed = "r0", "http://e0", True, True
+            async with aiohttp.ClientSession() as session:
+                poller = HealthPoller(balancer, session)
+                poll = asyncio.create_task(poller._poll(r))
+                await asyncio.wait_for(asked.wait(), 10)
+                balancer.move(r, "http://127.0.0.1:11")
+                release.set()
+                await asyncio.wait_for(poll, 10)
+        finally:
+            await runner.cleanup()
+        assert (r.healthy, r.probed, r.failures, r.successes) == (False, False, 0, 0)
+        assert (
+            r.engine_url is None and r.detail == "re-placed at http://127.0.0.1:11, not polled yet"
+        )
+
+    asyncio.run(scenario())

@@ -49,38 +49,44 @@ class HealthPoller:
         self.on_change = on_change
         self._tasks: list[asyncio.Task] = []
 
-    async def _probe(self, r: Replica) -> None:
-        """Raise if the replica cannot take traffic; refresh its identity when needed."""
+    async def _probe(self, r: Replica, url: str) -> None:
+        """Raise if the agent at ``url`` cannot take traffic; refresh its identity when needed."""
         if r.engine_url is None or not r.healthy:
             # (Re)learn identity when it is unknown or the replica was out: it may have come
             # back with another engine URL.
             async with self.session.get(
-                r.agent_url + "/v1/info", headers=self.headers, timeout=self.timeout
+                url + "/v1/info", headers=self.headers, timeout=self.timeout
             ) as resp:
                 if resp.status != 200:
                     raise _NotReady(f"/v1/info answered {resp.status}")
                 info = AgentInfo.model_validate_json(await resp.read())
-            r.replica_id = info.replica_id
-            r.engine_url = info.engine_url.rstrip("/")
-            r.base_model = info.base_model
-            r.kind = info.capabilities.kind
+            if r.agent_url == url:  # else: moved meanwhile; relearned at the new URL
+                r.replica_id = info.replica_id
+                r.engine_url = info.engine_url.rstrip("/")
+                r.base_model = info.base_model
+                r.kind = info.capabilities.kind
         async with self.session.get(
-            r.agent_url + "/health", headers=self.headers, timeout=self.timeout
+            url + "/health", headers=self.headers, timeout=self.timeout
         ) as resp:
             await resp.read()
             if resp.status != 200:
                 raise _NotReady(f"agent /health answered {resp.status}")
 
     async def _poll(self, r: Replica) -> None:
-        was = r.healthy
+        was, url = r.healthy, r.agent_url
         try:
-            await self._probe(r)
+            await self._probe(r, url)
+            outcome = None
         except _NotReady as exc:
-            self.balancer.failed(r, str(exc), definitive=True)
+            outcome = (str(exc), True)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            self.balancer.failed(r, f"{type(exc).__name__}: {exc}")
-        else:
+            outcome = (f"{type(exc).__name__}: {exc}", False)
+        if r.agent_url != url:
+            return  # moved (PUT /v1/control/replicas/...) while probed: about the old address
+        if outcome is None:
             self.balancer.succeeded(r, probe=True)
+        else:
+            self.balancer.failed(r, outcome[0], definitive=outcome[1])
         if r.healthy != was:
             log.info(
                 "replica %s (%s) healthy=%s %s", r.replica_id, r.agent_url, r.healthy, r.detail

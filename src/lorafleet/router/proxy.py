@@ -346,13 +346,18 @@ class Proxy:
             else:
                 data = json.dumps(address(req, replica.kind, replica.base_model, route.engine_name))
                 data = data.encode()
+            placed_at = replica.agent_url
             try:
                 try:
                     resp = await self._send(replica, path, data)
                 except _Unreachable as exc:
                     # Refused means nothing listens: out of rotation at once. A timeout or a
-                    # reset counts as one failure; a run of them takes the replica out.
-                    self.balancer.failed(replica, exc.detail, definitive=exc.refused, probe=False)
+                    # reset counts as one failure; a run of them takes the replica out. Not
+                    # if it was re-placed meanwhile: that was its old address.
+                    if replica.agent_url == placed_at:
+                        self.balancer.failed(
+                            replica, exc.detail, definitive=exc.refused, probe=False
+                        )
                     failed = replica
                     self.metrics.retries.inc()
                     continue
