@@ -27,6 +27,10 @@ TRAINER = textwrap.dedent(
 
     args = json.loads(sys.argv[1])
     interrupted = []
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal. A process started in the background by
+    # a non-interactive shell (a CI job under nohup, `cmd &`) inherits SIGINT ignored, and Python
+    # then leaves it ignored: the interrupt would never arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def on_progress(replica, sent, total):
         if not interrupted and 0 < sent < total:
