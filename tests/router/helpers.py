@@ -73,8 +73,14 @@ def set_alias(
 async def serve_completions(handler) -> tuple[web.AppRunner, str]:
     """A stand-in engine on loopback answering POST /v1/completions with ``handler``; the runner
     (``await runner.cleanup()`` stops it) and its URL."""
+    return await serve_route("POST", "/v1/completions", handler)
+
+
+async def serve_route(method: str, path: str, handler) -> tuple[web.AppRunner, str]:
+    """A stand-in server on loopback answering ``method path`` with ``handler``; the runner
+    (``await runner.cleanup()`` stops it) and its URL."""
     app = web.Application()
-    app.router.add_post("/v1/completions", handler)
+    app.router.add_route(method, path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

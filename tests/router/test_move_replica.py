@@ -118,6 +118,7 @@ def test_a_probe_in_flight_when_the_replica_moves_counts_for_nothing(old_answer)
 
     from lorafleet.router.balancer import Balancer
     from lorafleet.router.health import HealthPoller
+    from tests.router.helpers import serve_route
 
     async def scenario() -> None:
         asked, release = asyncio.Event(), asyncio.Event()
@@ -127,15 +128,9 @@ def test_a_probe_in_flight_when_the_replica_moves_counts_for_nothing(old_answer)
             await release.wait()
             return web.Response(status=old_answer)
 
-        app = web.Application()
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await serve_route("GET", "/health", health)
         try:
-            balancer = Balancer([f"http://127.0.0.1:{port}"])
+            balancer = Balancer([url])
             r = balancer.replicas[0]
             r.replica_id, r.engine_url, r.healthy, r.probed = "r0", "http://e0", True, True
             async with aiohttp.ClientSession() as session:
@@ -150,6 +145,75 @@ def test_a_probe_in_flight_when_the_replica_moves_counts_for_nothing(old_answer)
         assert (r.healthy, r.probed, r.failures, r.successes) == (False, False, 0, 0)
         assert (
             r.engine_url is None and r.detail == "re-placed at http://127.0.0.1:11, not polled yet"
+        )
+
+    asyncio.run(scenario())
+
+
+def test_a_request_in_flight_when_the_replica_moves_counts_no_failure_against_it():
+    """The engine at the old address drops the request after the move: the request goes to the
+    other replica, and the moved one is not charged a failure for its old address."""
+    import asyncio
+    import json
+
+    import aiohttp
+    from aiohttp import web
+
+    from lorafleet.router.balancer import Balancer
+    from lorafleet.router.metrics import RouterMetrics
+    from lorafleet.router.proxy import Proxy
+    from tests.router.helpers import serve_completions
+
+    async def scenario() -> None:
+        asked, release = asyncio.Event(), asyncio.Event()
+
+        async def dropping(request: web.Request) -> web.Response:
+            asked.set()
+            await release.wait()
+            request.transport.close()  # type: ignore[union-attr]
+            await asyncio.sleep(0.1)
+            return web.Response()
+
+        async def answering(request: web.Request) -> web.Response:
+            body = await request.json()
+            choice = {"text": "x", "index": 0, "finish_reason": "length"}
+            return web.json_response({"id": "c", "model": body["model"], "choices": [choice]})
+
+        (old, old_url), (ok, ok_url) = [await serve_completions(h) for h in (dropping, answering)]
+        balancer = Balancer(["http://a0", "http://a1"])
+        for i, (r, url) in enumerate(zip(balancer.replicas, (old_url, ok_url), strict=True)):
+            r.replica_id, r.engine_url, r.healthy, r.probed = f"r{i}", url, True, True
+            r.kind, r.base_model = "vllm", "tiny"
+        balancer.replicas[1].inflight = 1  # busier: the request goes to r0 first
+        balancer.reindex()
+        store = AliasStore()
+        store.set_alias("q", 1, "q@v1", ["r0", "r1"])
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b'{"model": "q", "prompt": "hi"}'}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        try:
+            async with aiohttp.ClientSession() as http:
+                proxy = Proxy(store, balancer, RouterMetrics(), http)
+                call = asyncio.create_task(proxy(scope, receive, send))
+                await asyncio.wait_for(asked.wait(), 10)
+                moved = balancer.replicas[0]
+                balancer.move(moved, "http://127.0.0.1:11")
+                release.set()
+                await asyncio.wait_for(call, 30)
+        finally:
+            await old.cleanup()
+            await ok.cleanup()
+        assert sent[0]["status"] == 200, sent
+        assert json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["model"] == "q"
+        assert (moved.failures, moved.detail) == (
+            0,
+            "re-placed at http://127.0.0.1:11, not polled yet",
         )
 
     asyncio.run(scenario())
