@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 
 import pytest
+
+from lorafleet.testing.raycluster import RAY_ENV
+
+# Ray reads these when it is first imported, by whichever test module does it first.
+os.environ.update(RAY_ENV)
 
 NODES = 3
 

@@ -3,12 +3,16 @@ deployment's record is not mistaken for an old one, and shutting down removes th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import stat
 
 import pytest
 
-pytest.importorskip("ray")
+# Not imported here: Ray reads its environment when first imported (see conftest.py).
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="the ray extra is not installed"
+)
 
 
 def _record(started_at: float = 1.0) -> dict:
