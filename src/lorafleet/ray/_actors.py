@@ -58,9 +58,9 @@ class Seat:
 
     namespace: str
     role: str
-    """engine, agent or router."""
+    """agent or router (an engine's actor needs no seat: its agent finds it)."""
     replica: int | None = None
-    """engine and agent: the replica's index in the fleet's record."""
+    """agent: its replica's index in the fleet's record."""
     engine_actor: str | None = None
     """agent: the engine actor to ask for the engine's URL (None: an attached engine's URL is
     fixed)."""

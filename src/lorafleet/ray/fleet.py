@@ -252,10 +252,9 @@ def attach(namespace: str = DEFAULT_NAMESPACE) -> RayFleet:
 
     Raises ``LookupError`` when no fleet runs there.
     """
-    try:
-        record = ray.get_actor(RECORD, namespace=namespace)
-    except ValueError as exc:
-        raise LookupError(f"no lorafleet fleet in Ray namespace {namespace!r}") from exc
+    record = find_record(namespace)
+    if record is None:
+        raise LookupError(f"no lorafleet fleet in Ray namespace {namespace!r}")
     return RayFleet.from_record(ray.get(record.get.remote()))
 
 
@@ -346,13 +345,7 @@ def deploy(
                 resources=dict(engine_resources or {}),
                 max_restarts=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-            ).remote(
-                spec,
-                f"{root}/replica-{i}",
-                bind,
-                tiny_model=model is None,
-                seat=Seat(namespace, "engine", replica=i),
-            )
+            ).remote(spec, f"{root}/replica-{i}", bind, tiny_model=model is None)
             engine_actors.append((name, actor))
         engines = ray.get([a.info.remote() for _, a in engine_actors])
         agent_actors = [
@@ -497,8 +490,7 @@ def _start_agent_actor(
 
 
 def _refuse_existing(namespace: str) -> None:
-    with contextlib.suppress(ValueError):
-        ray.get_actor(RECORD, namespace=namespace)
+    if find_record(namespace) is not None:
         raise ValueError(
             f"Ray namespace {namespace!r} already holds a lorafleet fleet: attach() to it or "
             "shut it down first"
