@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,7 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
             token=token,
             engine_kwargs={"max_lora_rank": args.rank},
             max_lora_rank=args.rank,
+            extra=tuple(args.agent_arg),
         )
         routers = {n: netbed.start_router(bed, launcher, replicas[:n], token=token) for n in SIZES}
         print(f"{bed}: engines, agents and routers up in {time.perf_counter() - t:.1f} s")
@@ -480,7 +482,7 @@ class Agent:
         return t.user + t.system
 
 
-def start_agents(launcher: Launcher, root: Path, n: int) -> list[Agent]:
+def start_agents(launcher: Launcher, root: Path, n: int, extra: Sequence[str] = ()) -> list[Agent]:
     """Agents with no engine behind them: uploads do not need one (they report not ready)."""
     servers = [
         launcher.spawn(
@@ -489,7 +491,7 @@ def start_agents(launcher: Launcher, root: Path, n: int) -> list[Agent]:
                 engine_url="http://127.0.0.1:9",
                 data_dir=root / f"agent{i}",
                 token=secrets.token_urlsafe(16),
-                extra=("--log-level", "warning"),
+                extra=("--log-level", "warning", *extra),
                 ready_status=503,
                 name=f"agent{i}",
             )
@@ -570,7 +572,7 @@ def part_loopback(args: argparse.Namespace, work: Path, parts: set[str]) -> None
     wr_rate: list[float] = []
     version = 0
     with Launcher(work / "logs-loopback") as launcher:
-        agents = start_agents(launcher, work, 4)
+        agents = start_agents(launcher, work, 4, args.agent_arg)
         for run in range(args.runs):
             cpu, wall = sha256_cpu(src)
             sha_cpu.append(cpu)
@@ -665,6 +667,12 @@ def main() -> None:
     ap.add_argument("--rate", default="400mbit", help="shaped: each host's egress (tc rate)")
     ap.add_argument("--rank", type=int, default=4096, help="shaped: LoRA rank (4096 = 64 MiB)")
     ap.add_argument("--mib", type=int, default=1024, help="loopback/cpu: file size in MiB")
+    ap.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        help="an extra argument for every agent, e.g. --agent-arg=--direct-io-min-bytes=0",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if unknown := parts - {"shaped", "loopback", "cpu"}:

@@ -40,6 +40,13 @@ _GiB = 1 << 30
 @click.option("--max-file-bytes", default=128 * _GiB, show_default=True, type=int)
 @click.option("--quota-bytes", default=None, type=int, help="Default: free disk minus 1 GiB.")
 @click.option(
+    "--direct-io-min-bytes",
+    default=64 << 20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Files this large are written with O_DIRECT, past the page cache; 0: never.",
+)
+@click.option(
     "--upload-ttl",
     default=600.0,
     show_default=True,
@@ -68,6 +75,7 @@ def command(
     served_model_name: str | None,
     max_file_bytes: int,
     quota_bytes: int | None,
+    direct_io_min_bytes: int,
     upload_ttl: float,
     shared_fs_allow: tuple[str, ...],
     max_lora_rank: int | None,
@@ -104,7 +112,10 @@ def command(
         replica_id=replica_id or f"{host}:{port}",
         served_model_name=served_model_name,
         limits=UploadLimits(
-            max_file_bytes=max_file_bytes, quota_bytes=quota_bytes, ttl_s=upload_ttl
+            max_file_bytes=max_file_bytes,
+            quota_bytes=quota_bytes,
+            ttl_s=upload_ttl,
+            direct_io_min_bytes=direct_io_min_bytes or None,
         ),
         shared_fs_allow=list(shared_fs_allow),
         max_lora_rank=max_lora_rank,

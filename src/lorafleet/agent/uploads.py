@@ -2,10 +2,12 @@
 
 A session is opened for one manifest. Each missing file is PUT as raw bytes; the handler writes
 batches off the event loop (write and hash run in parallel threads while the loop receives the
-next batch) and stops the moment a file exceeds its declared size. A broken connection leaves a
-durable, fsynced prefix whose length ``HEAD`` reports; the running hash stays in memory so a
-resumed PUT does not re-read it. Verified files are fsynced and renamed into ``blobs/sha256/``.
-Sessions live in memory: staging is cleared at startup, so nothing survives a restart half-done.
+next batch) and stops the moment a file exceeds its declared size. A large file is written with
+O_DIRECT (``_Direct``): copying it into the page cache cost more CPU than hashing it. A broken
+connection leaves a durable, fsynced prefix whose length ``HEAD`` reports; the running hash stays
+in memory so a resumed PUT does not re-read it. Verified files are fsynced and renamed into
+``blobs/sha256/``. Sessions live in memory: staging is cleared at startup, so nothing survives a
+restart half-done.
 
 Relay: a session opened with ``relay`` also takes PUT and HEAD from a peer agent presenting the
 publication's credential, and a ``ForwardPlan`` makes a PUT from offset 0 tee its bytes to the
@@ -19,9 +21,11 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import time
 import uuid
@@ -70,6 +74,7 @@ _BATCH = 4 << 20  # bytes handed to the writer threads at once
 _INFLIGHT = 3  # batches queued for the threads while the loop receives the next one
 _IOV_MAX = 512
 _RESERVE = 1 << 30  # free disk kept back when no quota is configured
+_ALIGN = 4096  # O_DIRECT: buffer address, length and file offset are multiples of this
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -79,6 +84,11 @@ class UploadLimits:
     max_file_bytes: int = 128 << 30
     quota_bytes: int | None = None
     ttl_s: float = 600.0
+    direct_io_min_bytes: int | None = 64 << 20
+    """Files this large are written with O_DIRECT, past the page cache (None: never).
+
+    Copying every received byte into the page cache costs more CPU than hashing it; a direct
+    write is a DMA. Small files stay cached for the engine that loads them next."""
 
 
 @dataclass
@@ -165,9 +175,10 @@ class _Pipe:
     are skipped, ``error`` is set and ``written`` counts only the bytes that reached the file.
     """
 
-    def __init__(self, fd: int, hashers: tuple) -> None:
+    def __init__(self, fd: int, hashers: tuple, direct: _Direct | None = None) -> None:
         self.fd = fd
         self.hashers = hashers
+        self.direct = direct
         self.wx = ThreadPoolExecutor(1, thread_name_prefix="upload-write")
         self.hx = ThreadPoolExecutor(1, thread_name_prefix="upload-hash")
         self.pending: deque[tuple[Future, Future]] = deque()
@@ -178,15 +189,25 @@ class _Pipe:
         if self.error is not None:
             return  # nothing after a hole
         try:
-            _write_and_hash(self.fd, parts)
+            if self.direct is not None:
+                self.direct.write(parts)
+            else:
+                _write_and_hash(self.fd, parts)
         except BaseException as exc:
             self.error = exc
             return
-        self.written += n
+        finally:
+            if self.direct is not None:
+                self.written = self.direct.pos - self.direct.start
+        if self.direct is None:
+            self.written += n
 
     def _close(self) -> None:
         try:
             if self.error is None:
+                if self.direct is not None:
+                    self.direct.flush_tail()
+                    self.written = self.direct.pos - self.direct.start
                 os.fsync(self.fd)
         except BaseException as exc:
             self.error = exc
@@ -194,6 +215,8 @@ class _Pipe:
         finally:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
+            if self.direct is not None:
+                self.direct.close()
 
     def submit(self, parts: list[bytes]) -> None:
         n = sum(len(p) for p in parts)
@@ -231,6 +254,96 @@ class _Pipe:
                 self.error = h.exception()
                 self.written = 0
         return cancelled
+
+
+class _Direct:
+    """Writes one file's bytes with O_DIRECT from an aligned buffer (write thread only).
+
+    Bytes are copied into a page-aligned buffer and written in aligned runs through a second,
+    O_DIRECT descriptor; what does not fill an aligned block (an unaligned resume offset, the
+    file's tail) goes through the ordinary descriptor. ``pos`` is the file offset up to which
+    bytes have been written. If the file system refuses a direct write, the rest of the file
+    is written through the page cache.
+    """
+
+    def __init__(self, fd: int, dfd: int, pos: int) -> None:
+        self.fd, self.dfd = fd, dfd
+        self.start = self.pos = pos
+        self.buf = mmap.mmap(-1, _BATCH)
+        self.fill = 0
+
+    @classmethod
+    def open(cls, path: str, fd: int, pos: int) -> _Direct | None:
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None  # not Linux
+        try:
+            dfd = os.open(path, os.O_WRONLY | flag)
+        except OSError:
+            return None  # a file system without O_DIRECT: the page cache it is
+        return cls(fd, dfd, pos)
+
+    def write(self, parts: list[bytes]) -> None:
+        for p in parts:
+            mv = memoryview(p)
+            while mv:
+                take = min(len(mv), len(self.buf) - self.fill)
+                self.buf[self.fill : self.fill + take] = mv[:take]
+                self.fill += take
+                mv = mv[take:]
+                if self.fill == len(self.buf):
+                    self._flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        head = -self.pos % _ALIGN
+        if head and self.fill:  # reach an aligned offset first (a resume mid-block)
+            self._plain(min(head, self.fill))
+        run = self.fill - self.fill % _ALIGN
+        if not run:
+            return
+        if self.dfd < 0:
+            self._plain(run)
+            return
+        with memoryview(self.buf) as view:
+            done = 0
+            try:
+                while done < run:
+                    done += os.pwrite(self.dfd, view[done:run], self.pos + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.dfd)  # alignment this file system will not take
+                self.dfd = -1
+        self._consume(done)
+        if done < run:
+            self._plain(run - done)
+
+    def _plain(self, n: int) -> None:
+        with memoryview(self.buf) as view:
+            done = 0
+            while done < n:
+                done += os.pwrite(self.fd, view[done:n], self.pos + done)
+        self._consume(n)
+
+    def _consume(self, n: int) -> None:
+        self.pos += n
+        self.fill -= n
+        if self.fill:
+            self.buf.move(0, n, self.fill)
+
+    def flush_tail(self) -> None:
+        """Write what is left (less than a block, or everything after a direct refusal)."""
+        self._flush()
+        if self.fill:
+            self._plain(self.fill)
+
+    def close(self) -> None:
+        if self.dfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.dfd)
+            self.dfd = -1
+        self.buf.close()
 
 
 def _rehash(path: str, length: int) -> object:
@@ -543,10 +656,14 @@ class UploadManager:
         except BaseException:
             os.close(fd)
             raise
+        direct = None
+        floor = self.limits.direct_io_min_bytes
+        if floor is not None and entry.size >= floor:
+            direct = _Direct.open(str(partial), fd, f.offset)
         start = received = f.offset
         parts: list[bytes] = []
         nbuf = 0
-        pipe = _Pipe(fd, hashers)  # owns fd from here: only its write thread closes it
+        pipe = _Pipe(fd, hashers, direct)  # owns fd from here: only its write thread closes it
         refused = False
         cancelled = False
         try:
