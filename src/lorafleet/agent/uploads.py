@@ -75,6 +75,7 @@ _INFLIGHT = 3  # batches queued for the threads while the loop receives the next
 _IOV_MAX = 512
 _RESERVE = 1 << 30  # free disk kept back when no quota is configured
 _ALIGN = 4096  # O_DIRECT: buffer address, length and file offset are multiples of this
+_DIRECT_BUF = 4 << 20  # the aligned buffer a direct write goes out of
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -269,7 +270,7 @@ class _Direct:
     def __init__(self, fd: int, dfd: int, pos: int) -> None:
         self.fd, self.dfd = fd, dfd
         self.start = self.pos = pos
-        self.buf = mmap.mmap(-1, _BATCH)
+        self.buf = mmap.mmap(-1, _DIRECT_BUF)  # page-aligned
         self.fill = 0
 
     @classmethod
