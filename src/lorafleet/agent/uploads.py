@@ -194,21 +194,18 @@ class _Pipe:
                 self.direct.write(parts)
             else:
                 _write_and_hash(self.fd, parts)
+                self.written += n
         except BaseException as exc:
             self.error = exc
-            return
         finally:
-            if self.direct is not None:
+            if self.direct is not None:  # what reached the file, even if a write failed
                 self.written = self.direct.pos - self.direct.start
-        if self.direct is None:
-            self.written += n
 
     def _close(self) -> None:
         try:
             if self.error is None:
                 if self.direct is not None:
                     self.direct.flush_tail()
-                    self.written = self.direct.pos - self.direct.start
                 os.fsync(self.fd)
         except BaseException as exc:
             self.error = exc
