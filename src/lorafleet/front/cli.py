@@ -1,4 +1,4 @@
-"""``lorafleet front``: one vLLM server's API over a lorafleet fleet, for unmodified trainers."""
+"""``lorafleet front``: a server's API over a lorafleet fleet, for unmodified trainers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import click
 from lorafleet.launch.listen import fd_option
 
 __all__ = ["command"]
+
+
+def _dialect_names() -> list[str]:
+    from lorafleet.front.dialects import DIALECTS
+
+    return list(DIALECTS)
 
 
 @click.command("front")
@@ -72,6 +78,13 @@ __all__ = ["command"]
     help="Versions of a name kept routable (the retention window).",
 )
 @click.option("--dtype", default=None, help="dtype /server_info reports (default: the model's).")
+@click.option(
+    "--dialect",
+    type=click.Choice(_dialect_names()),
+    default="vllm",
+    show_default=True,
+    help="Which server's API to speak (lorafleet.front.dialects).",
+)
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     agents: str,
@@ -88,6 +101,7 @@ def command(
     name_pattern: str,
     keep_versions: int,
     dtype: str | None,
+    dialect: str,
     log_level: str,
 ) -> None:
     """Speak one vLLM server's API (TRL, prime-rl) over a fleet: loads become publications."""
@@ -120,6 +134,7 @@ def command(
             name_pattern=name_pattern,
             keep_versions=keep_versions,
             dtype=dtype,
+            dialect=dialect,
         )
         app = create_app(cfg)
     except ValueError as exc:

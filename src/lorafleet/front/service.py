@@ -72,6 +72,8 @@ class FrontConfig:
     dtype: str | None = None
     """What ``/server_info`` reports; None reads the base model's config.json when local."""
     publish_timeout_s: float = 1800.0
+    dialect: str = "vllm"
+    """Which server's API the front speaks: a name in ``lorafleet.front.dialects.DIALECTS``."""
 
 
 class Front:

@@ -1,0 +1,79 @@
+"""One vLLM server's API, as TRL's ``VLLMClient`` and prime-rl call it.
+
+Loads are lorafleet publications (``trl-policy-v7`` is version 7 of ``trl-policy``); unloads
+retire a version; generation goes through the router. Pause and resume are acknowledged only:
+lorafleet's loads are atomic flips, so generation keeps flowing and nothing needs freezing.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.params import Depends
+from fastapi.responses import PlainTextResponse, Response
+
+from lorafleet.errors import InvalidRequest
+from lorafleet.front.forward import forward_generation, read_object
+from lorafleet.front.service import Front
+from lorafleet.protocol.front import PAUSE_MODES, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
+
+__all__ = ["routes"]
+
+
+def routes(front: Front, control: Depends) -> APIRouter:
+    """vLLM's reads, LoRA control and OpenAI generation routes over ``front``."""
+    r = APIRouter()
+    ctl = [control]
+
+    @r.get("/v1/models")
+    async def models() -> dict:
+        return await front.models()
+
+    @r.get("/server_info")
+    async def server_info(config_format: str = "text") -> dict:
+        return await front.server_info()
+
+    @r.get("/get_world_size")
+    async def world_size() -> dict:
+        return {"world_size": 1}
+
+    @r.get("/is_paused")
+    async def is_paused() -> dict:
+        return {"is_paused": front.paused}
+
+    @r.post("/pause", dependencies=ctl)
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> dict:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}", param="mode")
+        front.paused = True
+        return {"status": "paused", "mode": mode, "lorafleet": "acknowledged; nothing paused"}
+
+    @r.post("/resume", dependencies=ctl)
+    async def resume() -> dict:
+        front.paused = False
+        return {"status": "resumed"}
+
+    async def load(req: LoadLoRAAdapterRequest) -> Response:
+        result = await front.load(req.lora_name, req.lora_path)
+        headers = {ADAPTER_HEADER: result.name, VERSION_HEADER: str(result.version)}
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{req.lora_name}' added successfully "
+            f"(lorafleet {result.name} v{result.version} on {len(result.replicas)} replicas).",
+            headers=headers,
+        )
+
+    async def unload(req: UnloadLoRAAdapterRequest) -> Response:
+        done = await front.unload(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
+
+    for path in ("/v1/load_lora_adapter", "/load_lora_adapter"):
+        r.post(path, dependencies=ctl)(load)
+    for path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
+        r.post(path, dependencies=ctl)(unload)
+
+    async def generate(request: Request) -> Response:
+        return await forward_generation(front, request, await read_object(request))
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r.post(path)(generate)
+    return r

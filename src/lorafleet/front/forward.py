@@ -1,0 +1,128 @@
+"""Generation forwarded to the router: ``model`` mapped to the router's pin and back.
+
+Every trainer dialect forwards generation the same way: the body goes to the router's path of
+the same name with the router's API key, a trainer's versioned name (``trl-policy-v7``) becomes
+the router's pin (``trl-policy@v7``), and the answer (stream or not) names the model as the
+trainer sent it. lorafleet's version headers and error code pass through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from lorafleet._service import read_json
+from lorafleet.errors import EngineUnavailable, InvalidRequest
+from lorafleet.front.service import Front
+from lorafleet.protocol.router import ADAPTER_HEADER, REPLICA_HEADER, VERSION_HEADER
+
+__all__ = ["GENERATION_BODY_LIMIT", "forward_generation", "read_object"]
+
+GENERATION_BODY_LIMIT = 64 << 20
+_PASS_HEADERS = ("x-session-id", "x-request-id")
+_ANSWER_HEADERS = (
+    ADAPTER_HEADER.lower(),
+    VERSION_HEADER.lower(),
+    REPLICA_HEADER.lower(),
+    "x-lorafleet-error-code",
+    "retry-after",
+)
+
+
+async def read_object(request: Request) -> dict:
+    """The request's JSON body, which must be an object. Raises ``InvalidRequest``."""
+    body = await read_json(request, GENERATION_BODY_LIMIT)
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+async def forward_generation(
+    front: Front,
+    request: Request,
+    body: dict,
+    *,
+    path: str | None = None,
+    model_field: str = "model",
+) -> Response:
+    """Send ``body`` to the router's ``path`` (default: the request's) and relay the answer."""
+    sent = body.get(model_field)
+    routed = await front.route_model(sent)
+    if routed is not None:
+        body[model_field] = routed
+    headers = {"content-type": "application/json"}
+    if front.cfg.api_key:
+        headers["authorization"] = f"Bearer {front.cfg.api_key}"
+    for h in _PASS_HEADERS:
+        if h in request.headers:
+            headers[h] = request.headers[h]
+    url = front.router_url + (path or request.url.path)
+    req = front.http.build_request("POST", url, content=json.dumps(body), headers=headers)
+    try:
+        resp = await front.http.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"router {front.router_url} unreachable: {exc}") from exc
+    out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _ANSWER_HEADERS}
+    rename = (routed.encode(), str(sent).encode()) if routed is not None else None
+    ctype = resp.headers.get("content-type", "application/json")
+    if ctype.startswith("text/event-stream"):
+        return StreamingResponse(
+            _events(resp, rename),
+            status_code=resp.status_code,
+            headers=out_headers,
+            media_type=ctype,
+        )
+    try:
+        raw = await resp.aread()
+    finally:
+        await resp.aclose()
+    if rename is not None:
+        raw = _rename_whole(raw, *rename, ok=resp.status_code == 200)
+    return Response(raw, status_code=resp.status_code, headers=out_headers, media_type=ctype)
+
+
+def _rename_whole(raw: bytes, routed: bytes, sent: bytes, *, ok: bool) -> bytes:
+    """The router's answer with ``model`` as the trainer sent it (the version tag stays)."""
+    if ok:
+        with contextlib.suppress(ValueError):
+            out = json.loads(raw)
+            if isinstance(out, dict) and out.get("model") == routed.decode():
+                out["model"] = sent.decode()
+                return json.dumps(out).encode()
+        return raw
+    return raw.replace(b"`" + routed + b"`", b"`" + sent + b"`")
+
+
+async def _events(resp: httpx.Response, rename: tuple[bytes, bytes] | None) -> AsyncIterator[bytes]:
+    """Relay an SSE stream event by event, renaming ``model`` in each ``data:`` event."""
+    try:
+        if rename is None:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+            return
+        buf = b""
+        async for chunk in resp.aiter_raw():
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            if events:
+                yield b"".join(_rename_event(e, *rename) + b"\n\n" for e in events)
+        if buf:
+            yield _rename_event(buf, *rename)
+    finally:
+        await resp.aclose()
+
+
+def _rename_event(event: bytes, routed: bytes, sent: bytes) -> bytes:
+    if not event.startswith(b"data: {"):
+        return event
+    with contextlib.suppress(ValueError):
+        out = json.loads(event[6:])
+        if out.get("model") == routed.decode():
+            out["model"] = sent.decode()
+            return b"data: " + json.dumps(out).encode()
+    return event
