@@ -1,4 +1,4 @@
-"""Every replica is addressed in its own engine's dialect (lorafleet.dialects).
+"""Every replica is addressed in its own engine's dialect (lorafleet.engine_kinds).
 
 Real SGLang 0.5.23 serves the base model for a bare adapter name in ``model`` and applies the
 adapter only for ``"<base>:<name>"`` (docs/engines/sglang.md); vLLM wants the bare name. The
@@ -15,7 +15,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from lorafleet.dialects import address, model_field
+from lorafleet.engine_kinds import address, model_field
 from lorafleet.router.balancer import Balancer
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy

@@ -39,6 +39,7 @@ from lorafleet.agent.uploads import UploadManager
 from lorafleet.bundle import config_rank, validate_adapter_dir
 from lorafleet.bundle.delta import lora_delta_bound
 from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest
+from lorafleet.engine_kinds import engine_kind
 from lorafleet.errors import (
     AdapterConflict,
     AdapterInvalid,
@@ -317,7 +318,7 @@ class AdapterService:
                     )
             t0 = time.perf_counter()
             path = rec.path
-            linked = mode == "in_place" and self.caps.kind == "sglang"
+            linked = mode == "in_place" and engine_kind(self.caps.kind).links_in_place
             if linked:
                 # SGLang re-reads a name's remembered path after an unload: in place, the plain
                 # name is loaded from a link the agent points at the current version, so any

@@ -39,6 +39,7 @@ from lorafleet.agent.reconcile import Reconciler
 from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadLimits, UploadManager
+from lorafleet.engine_kinds import EngineKind
 from lorafleet.protocol.agent import (
     CONTENT_DIGEST_HEADER,
     REPR_DIGEST_HEADER,
@@ -67,7 +68,7 @@ log = logging.getLogger("lorafleet.agent")
 
 @dataclass
 class AgentConfig:
-    engine: str
+    engine: EngineKind
     engine_url: str
     data_dir: str
     token: str | None
@@ -77,7 +78,8 @@ class AgentConfig:
     shared_fs_allow: list[str] = field(default_factory=list)
     max_lora_rank: int | None = None
     max_adapters: int | None = None
-    sglang_upsert: bool = False
+    engine_options: dict[str, bool] = field(default_factory=dict)
+    """The engine kind's own flags by key (``lorafleet.engine_kinds``: sglang_upsert)."""
     reconcile_interval: float = 0.5
     json_limit: int = DEFAULT_JSON_LIMIT
 
@@ -103,9 +105,9 @@ class Runtime:
             cfg.engine_url,
             max_lora_rank=cfg.max_lora_rank,
             max_adapters=cfg.max_adapters,
-            sglang_upsert=cfg.sglang_upsert,
+            options=cfg.engine_options,
         )
-        self.caps = EngineCapabilities(kind=cfg.engine)  # type: ignore[arg-type]
+        self.caps = EngineCapabilities(kind=cfg.engine)
         self.base_model = cfg.served_model_name or "unknown"
         self.probed = False
         self.probe_detail: str | None = "engine not probed yet"

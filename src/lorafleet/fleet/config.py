@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lorafleet.engine_kinds import EngineKind, engine_kind
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -46,7 +48,6 @@ __all__ = [
 ]
 
 DEFAULT_DATA_DIR = ".lorafleet"
-EngineKind = Literal["reference", "vllm", "sglang"]
 _Port = Field(default=0, ge=0, le=65535)
 
 
@@ -80,14 +81,14 @@ class ReplicaConfig(_Model):
 
     @model_validator(mode="after")
     def _external_engine_has_url(self) -> ReplicaConfig:
-        if self.engine != "reference" and not self.url:
+        if not engine_kind(self.engine).embedded and not self.url:
             raise ValueError(f"a {self.engine} replica needs url = 'http://host:port'")
         return self
 
     @property
     def managed_engine(self) -> bool:
         """True when lorafleet starts (and restarts) this replica's engine itself."""
-        return self.engine == "reference" and self.url is None
+        return engine_kind(self.engine).embedded and self.url is None
 
 
 class RouterConfig(_Model):

@@ -46,6 +46,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.engine_kinds import EngineKind
 from lorafleet.errors import InvalidRequest
 from lorafleet.protocol.names import AdapterName, Version
 
@@ -333,7 +334,7 @@ class AdapterList(_Model):
 
 
 class EngineCapabilities(_Model):
-    kind: Literal["vllm", "sglang", "reference"]
+    kind: EngineKind
     max_lora_rank: int | None = None
     max_adapters: int | None = None
     upsert: bool = False

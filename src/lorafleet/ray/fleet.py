@@ -39,14 +39,11 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from lorafleet.engine_kinds import ENGINE_KINDS, engine_kind
 from lorafleet.fleet.state import FleetInfo, ReplicaInfo, write_fleet_file
 from lorafleet.launch import (
     AgentSpec,
-    ReferenceEngineSpec,
     RouterSpec,
-    ServerSpec,
-    SGLangSpec,
-    VLLMSpec,
 )
 from lorafleet.publisher import Publisher
 from lorafleet.ray._actors import Seat, ServerActor
@@ -58,11 +55,6 @@ __all__ = ["EngineOnRay", "RayFleet", "attach", "attach_engines", "deploy"]
 DEFAULT_NAMESPACE = "lorafleet"
 DEFAULT_WORKDIR = "/tmp/lorafleet-ray"
 _ROUTER = "lorafleet-router"
-_ENGINE_SPECS: dict[str, type[ServerSpec]] = {
-    "reference": ReferenceEngineSpec,
-    "vllm": VLLMSpec,
-    "sglang": SGLangSpec,
-}
 
 _ServerActor = ray.remote(ServerActor)
 _FleetRecord = ray.remote(FleetRecord)
@@ -296,9 +288,9 @@ def deploy(
     Raises ``ValueError`` if ``namespace`` already holds a fleet; anything started is torn down
     when a later step fails.
     """
-    if engine not in _ENGINE_SPECS:
-        raise ValueError(f"engine must be one of {sorted(_ENGINE_SPECS)}, not {engine!r}")
-    if model is None and engine != "reference":
+    if engine not in ENGINE_KINDS:
+        raise ValueError(f"engine must be one of {sorted(ENGINE_KINDS)}, not {engine!r}")
+    if model is None and not engine_kind(engine).embedded:
         raise ValueError(f"a {engine} engine needs model= (a path valid on every node)")
     _refuse_existing(namespace)
     token = token or secrets.token_urlsafe(24)
@@ -329,7 +321,7 @@ def deploy(
         ready = [pg.ready() for _, pg in pgs]
         ray.get(ready, timeout=pg_timeout)
         # Engines first (in parallel), then their agents, then the router.
-        spec_cls = _ENGINE_SPECS[engine]
+        spec_cls = engine_kind(engine).launch_spec()
         engine_actors = []
         for i, (_, pg) in enumerate(pgs):
             args = dict(engine_args or {})

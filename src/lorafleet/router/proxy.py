@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from lorafleet._service import check_token, send_error
-from lorafleet.dialects import address, model_field
+from lorafleet.engine_kinds import address, model_field
 from lorafleet.errors import (
     BodyTooLarge,
     EngineUnavailable,

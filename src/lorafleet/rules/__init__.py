@@ -32,8 +32,7 @@ sources in each module's docstring):
 
 from __future__ import annotations
 
-from typing import Literal
-
+from lorafleet.engine_kinds import ENGINE_KINDS, EngineKind, engine_kind
 from lorafleet.rules._core import (
     AdapterFacts,
     EngineLimits,
@@ -65,11 +64,7 @@ __all__ = [
     "rulebook",
 ]
 
-EngineKind = Literal["vllm", "sglang", "reference"]
-ENGINE_KINDS: tuple[EngineKind, ...] = ("vllm", "sglang", "reference")
-
-SHARED = shared_rulebook([VLLM, SGLANG, REFERENCE])
-_BOOKS = {"vllm": VLLM, "sglang": SGLANG, "reference": REFERENCE}
+SHARED = shared_rulebook([engine_kind(k).rules() for k in ENGINE_KINDS])
 
 
 def rulebook(kind: EngineKind | str | None = None) -> Rulebook:
@@ -79,7 +74,4 @@ def rulebook(kind: EngineKind | str | None = None) -> Rulebook:
     """
     if kind is None:
         return SHARED
-    try:
-        return _BOOKS[kind]
-    except KeyError:
-        raise ValueError(f"unknown engine kind {kind!r}; one of {list(ENGINE_KINDS)}") from None
+    return engine_kind(kind).rules()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from lorafleet.agent.backends.base import (
     AdapterMissing,
     EngineBackend,
@@ -12,6 +15,7 @@ from lorafleet.agent.backends.base import (
 from lorafleet.agent.backends.reference import ReferenceBackend
 from lorafleet.agent.backends.sglang import SGLangBackend
 from lorafleet.agent.backends.vllm import VLLMBackend
+from lorafleet.engine_kinds import engine_kind
 
 __all__ = [
     "AdapterMissing",
@@ -32,15 +36,8 @@ def make_backend(
     *,
     max_lora_rank: int | None = None,
     max_adapters: int | None = None,
-    sglang_upsert: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> EngineBackend:
-    """The backend for ``kind`` (vllm, sglang, reference)."""
-    if kind == "vllm":
-        return VLLMBackend(url, max_lora_rank=max_lora_rank, max_adapters=max_adapters)
-    if kind == "reference":
-        return ReferenceBackend(url, max_lora_rank=max_lora_rank, max_adapters=max_adapters)
-    if kind == "sglang":
-        return SGLangBackend(
-            url, upsert=sglang_upsert, max_lora_rank=max_lora_rank, max_adapters=max_adapters
-        )
-    raise ValueError(f"unknown engine kind {kind!r}")
+    """The backend for ``kind`` (``lorafleet.engine_kinds``); ``options``: that kind's own
+    agent flags by key. Raises ``ValueError`` for an unknown kind."""
+    return engine_kind(kind).backend(url, max_lora_rank, max_adapters, options or {})

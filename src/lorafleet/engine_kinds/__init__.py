@@ -1,0 +1,116 @@
+"""Engine kinds: what each kind of engine brings, in one registry.
+
+An engine kind is one module here with one ``EngineKindInfo``: the agent's backend, the
+rulebook its adapters are checked against, how an OpenAI request names an adapter on it, the
+launch spec that starts one, and the facts the agent and the fleet act on. Everything that
+dispatches on a kind (the agent, the router, the probe, the rules, ``lorafleet up`` and Ray)
+asks ``engine_kind(name)``. Adding a kind: a module beside these, its name in ``EngineKind``
+and one line in ``_KINDS`` (tests/test_engine_kinds.py checks the two agree).
+
+Imports are lazy (inside the info's callables), so reading the registry costs no backend,
+rulebook or launcher import: the router and the publisher stay light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    from lorafleet.agent.backends.base import EngineBackend
+    from lorafleet.launch.specs import ServerSpec
+    from lorafleet.rules._core import Rulebook
+
+__all__ = [
+    "ENGINE_KINDS",
+    "EngineKind",
+    "EngineKindInfo",
+    "EngineOption",
+    "address",
+    "engine_kind",
+    "model_field",
+]
+
+EngineKind = Literal["vllm", "sglang", "reference"]
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """An agent flag only one engine kind has (``--sglang-upsert``): a boolean, off by default.
+
+    ``key`` is its name in ``AgentConfig.engine_options`` and in the backend's ``options``.
+    """
+
+    key: str
+    flag: str
+    help: str
+
+
+@dataclass(frozen=True)
+class EngineKindInfo:
+    """One engine kind. ``backend(url, max_lora_rank, max_adapters, options)`` builds the
+    agent's backend; ``rules()`` is its rulebook; ``launch_spec()`` the ``ServerSpec`` class
+    that starts one (it takes ``model=``)."""
+
+    name: str
+    title: str
+    backend: Callable[[str, int | None, int | None, Mapping[str, Any]], EngineBackend]
+    rules: Callable[[], Rulebook]
+    launch_spec: Callable[[], type[ServerSpec]]
+    adapter_in_model: Callable[[str | None, str], str] = lambda _base, engine_name: engine_name
+    """The ``model`` value that makes this engine apply ``engine_name`` (given the base name)."""
+    embedded: bool = False
+    """lorafleet can start this engine itself with no model given (``lorafleet up``)."""
+    links_in_place: bool = False
+    """An in-place load goes through a link the agent repoints: the engine re-reads a name's
+    remembered path after an unload (SGLang)."""
+    options: tuple[EngineOption, ...] = field(default=())
+
+
+def _kinds() -> dict[str, EngineKindInfo]:
+    from lorafleet.engine_kinds import reference, sglang, vllm
+
+    return {k.name: k for k in (vllm.KIND, sglang.KIND, reference.KIND)}
+
+
+_KINDS: dict[str, EngineKindInfo] | None = None
+ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
+
+
+def engine_kind(name: str) -> EngineKindInfo:
+    """The registry's entry for ``name``. Raises ``ValueError`` for an unknown kind."""
+    global _KINDS
+    if _KINDS is None:
+        _KINDS = _kinds()
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown engine kind {name!r}; one of {list(ENGINE_KINDS)}") from None
+
+
+def all_options() -> tuple[tuple[EngineKindInfo, EngineOption], ...]:
+    """Every kind's own agent flags, with the kind that owns each."""
+    return tuple((engine_kind(k), o) for k in ENGINE_KINDS for o in engine_kind(k).options)
+
+
+def model_field(kind: str, base_model: str | None, engine_name: str | None) -> str | None:
+    """The ``model`` value that makes an engine of ``kind`` apply ``engine_name`` (None: base)."""
+    if engine_name is None:
+        return base_model
+    return engine_kind(kind).adapter_in_model(base_model, engine_name)
+
+
+def address(
+    body: dict[str, Any], kind: str, base_model: str | None, engine_name: str | None
+) -> dict[str, Any]:
+    """A copy of an OpenAI request ``body`` addressed to ``engine_name`` on an engine of ``kind``.
+
+    With ``engine_name`` None (a base-model request) the client's ``model`` stays as sent. A
+    client's own ``lora_path`` is always dropped: on SGLang it would pick another adapter than
+    the one the response is tagged with.
+    """
+    out = {k: v for k, v in body.items() if k != "lora_path"}
+    if engine_name is not None:
+        out["model"] = model_field(kind, base_model, engine_name)
+    return out
