@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import click
 from fastapi import Depends, FastAPI, Header, Request, Response, Security
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
@@ -31,14 +32,16 @@ from lorafleet._service import (
     install_error_handlers,
     token_guard,
 )
+from lorafleet._settings import setting
 from lorafleet.agent.adapters import AdapterService
 from lorafleet.agent.backends import EngineBackend, EngineUnavailable, make_backend
+from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.probe import ApplicationProbe
 from lorafleet.agent.reconcile import Reconciler
 from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
-from lorafleet.agent.uploads import UploadLimits, UploadManager
+from lorafleet.agent.uploads import UploadManager
 from lorafleet.engine_kinds import EngineKind
 from lorafleet.protocol.agent import (
     CONTENT_DIGEST_HEADER,
@@ -73,11 +76,23 @@ class AgentConfig:
     data_dir: str
     token: str | None
     replica_id: str
-    served_model_name: str | None = None
+    served_model_name: str | None = setting(
+        None, flag="--served-model-name", help="Default: discovered from the engine."
+    )
     limits: UploadLimits = field(default_factory=UploadLimits)
-    shared_fs_allow: list[str] = field(default_factory=list)
-    max_lora_rank: int | None = None
-    max_adapters: int | None = None
+    shared_fs_allow: list[str] = setting(
+        flag="--shared-fs-allow",
+        multiple=True,
+        type=click.Path(),
+        default_factory=list,
+        help="Directory /v1/adapters/register may read from (repeatable).",
+    )
+    max_lora_rank: int | None = setting(
+        None, flag="--max-lora-rank", type=int, help="Override the engine's limit."
+    )
+    max_adapters: int | None = setting(
+        None, flag="--max-adapters", type=int, help="Override the engine's limit."
+    )
     engine_options: dict[str, bool] = field(default_factory=dict)
     """The engine kind's own flags by key (``lorafleet.engine_kinds``: sglang_upsert)."""
     reconcile_interval: float = 0.5

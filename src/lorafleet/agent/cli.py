@@ -1,4 +1,8 @@
-"""``lorafleet agent``: one agent in front of one engine."""
+"""``lorafleet agent``: one agent in front of one engine.
+
+The options come from the settings they fill (``AgentConfig``, ``UploadLimits``, each engine
+kind's own flags): a new agent setting is one field there.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,10 @@ import secrets
 
 import click
 
-from lorafleet.agent.uploads import UploadLimits
+from lorafleet._settings import click_options, from_options
+from lorafleet.agent.limits import UploadLimits
 from lorafleet.engine_kinds import ENGINE_KINDS, all_options, engine_kind
 from lorafleet.launch.listen import fd_option
-
-_GiB = 1 << 30
 
 
 def engine_options(f):
@@ -22,12 +25,21 @@ def engine_options(f):
 
 
 def _options_for(engine: str, given: dict[str, bool]) -> dict[str, bool]:
-    """The flags set for ``engine``; another kind's flag is a usage error."""
+    """The flags set for ``engine`` (popped from ``given``); another kind's is a usage error."""
     own = {o.key for o in engine_kind(engine).options}
+    out = {}
     for kind, opt in all_options():
-        if given.get(opt.key) and opt.key not in own:
-            raise click.UsageError(f"{opt.flag} is a {kind.name} option; --engine is {engine}")
-    return {k: v for k, v in given.items() if k in own and v}
+        if given.pop(opt.key, False):
+            if opt.key not in own:
+                raise click.UsageError(f"{opt.flag} is a {kind.name} option; --engine is {engine}")
+            out[opt.key] = True
+    return out
+
+
+def _agent_config_options(f):
+    from lorafleet.agent.app import AgentConfig
+
+    return click_options(AgentConfig)(f)
 
 
 @click.command("agent")
@@ -51,31 +63,8 @@ def _options_for(engine: str, given: dict[str, bool]) -> dict[str, bool]:
     help="Bearer token for mutating routes (generated and printed if absent).",
 )
 @click.option("--replica-id", default=None, help="Default: host:port (of the --fd socket).")
-@click.option("--served-model-name", default=None, help="Default: discovered from the engine.")
-@click.option("--max-file-bytes", default=128 * _GiB, show_default=True, type=int)
-@click.option("--quota-bytes", default=None, type=int, help="Default: free disk minus 1 GiB.")
-@click.option(
-    "--direct-io-min-bytes",
-    default=64 << 20,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Files this large are written with O_DIRECT, past the page cache; 0: never.",
-)
-@click.option(
-    "--upload-ttl",
-    default=600.0,
-    show_default=True,
-    type=float,
-    help="Seconds an idle upload session lives.",
-)
-@click.option(
-    "--shared-fs-allow",
-    multiple=True,
-    type=click.Path(),
-    help="Directory /v1/adapters/register may read from (repeatable).",
-)
-@click.option("--max-lora-rank", default=None, type=int, help="Override the engine's limit.")
-@click.option("--max-adapters", default=None, type=int, help="Override the engine's limit.")
+@_agent_config_options
+@click_options(UploadLimits)
 @engine_options
 @click.option("--log-level", default="info", show_default=True)
 def command(
@@ -87,25 +76,17 @@ def command(
     fd: int | None,
     control_token: str | None,
     replica_id: str | None,
-    served_model_name: str | None,
-    max_file_bytes: int,
-    quota_bytes: int | None,
-    direct_io_min_bytes: int,
-    upload_ttl: float,
-    shared_fs_allow: tuple[str, ...],
-    max_lora_rank: int | None,
-    max_adapters: int | None,
     log_level: str,
-    **options: bool,
+    **options,
 ) -> None:
     """Run the agent: verified uploads, a durable adapter store, engine loading, reconciliation."""
-    own_options = _options_for(engine, options)
     import logging
 
     from lorafleet._dirlock import DirectoryLocked, lock_directory
     from lorafleet.agent.app import AgentConfig, create_app
     from lorafleet.launch.listen import listen_address, serve
 
+    own_options = _options_for(engine, options)
     host, port = listen_address(host, port, fd)
     # Taken before the app opens the store: a second agent would corrupt the first one's state.
     try:
@@ -120,24 +101,19 @@ def command(
     # lines belong to --log-level debug.
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = AgentConfig(
+    limits = from_options(UploadLimits, options)
+    cfg = from_options(
+        AgentConfig,
+        options,
         engine=engine,
         engine_url=engine_url,
         data_dir=os.path.abspath(data_dir),
         token=control_token,
         replica_id=replica_id or f"{host}:{port}",
-        served_model_name=served_model_name,
-        limits=UploadLimits(
-            max_file_bytes=max_file_bytes,
-            quota_bytes=quota_bytes,
-            ttl_s=upload_ttl,
-            direct_io_min_bytes=direct_io_min_bytes or None,
-        ),
-        shared_fs_allow=list(shared_fs_allow),
-        max_lora_rank=max_lora_rank,
-        max_adapters=max_adapters,
+        limits=limits,
         engine_options=own_options,
     )
+    assert not options, f"options without a setting: {sorted(options)}"
     try:
         serve(
             create_app(cfg),

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from lorafleet._http import async_client
+from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.relay import Tee
 from lorafleet.agent.store import Store, free_bytes
@@ -78,18 +79,6 @@ _ALIGN = 4096  # O_DIRECT: buffer address, length and file offset are multiples 
 _DIRECT_BUF = 4 << 20  # the aligned buffer a direct write goes out of
 
 log = logging.getLogger("lorafleet.agent")
-
-
-@dataclass
-class UploadLimits:
-    max_file_bytes: int = 128 << 30
-    quota_bytes: int | None = None
-    ttl_s: float = 600.0
-    direct_io_min_bytes: int | None = 64 << 20
-    """Files this large are written with O_DIRECT, past the page cache (None: never).
-
-    Copying every received byte into the page cache costs more CPU than hashing it; a direct
-    write is a DMA. Small files stay cached for the engine that loads them next."""
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lorafleet.agent.limits import UploadLimits
 from lorafleet.engine_kinds import EngineKind, engine_kind
 
 __all__ = [
@@ -71,6 +72,8 @@ class ReplicaConfig(_Model):
     """Port of the reference engine lorafleet starts (0: a free one)."""
     max_loras: int = Field(default=8, ge=1)
     max_lora_rank: int = Field(default=64, ge=1)
+    limits: UploadLimits = UploadLimits()
+    """``[replica.limits]``: the agent's upload limits (``lorafleet agent`` options)."""
 
     @field_validator("url")
     @classmethod

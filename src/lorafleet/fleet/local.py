@@ -235,6 +235,7 @@ class LocalFleet:
                     token=self.token,
                     host=self.host,
                     port=r.config.agent_port,
+                    limits=r.config.limits,
                     name=f"agent-{r.index}",
                     ready_timeout=_AGENT_TIMEOUT,
                 )

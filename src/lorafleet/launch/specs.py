@@ -19,6 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafleet._settings import argv_for
+from lorafleet.agent.limits import UploadLimits
+from lorafleet.engine_kinds import EngineKind
 from lorafleet.launch.process import lorafleet_argv
 
 __all__ = [
@@ -114,14 +117,15 @@ class AgentSpec(SocketServerSpec):
 
     engine_url: str
     data_dir: Path
-    engine: str = "reference"
-    """Backend kind: reference, vllm or sglang."""
+    engine: EngineKind = "reference"
     token: str | None = None
     """Control token; None lets the agent generate one (printed to its log)."""
     replica_id: str | None = None
     """None: the agent's host:port."""
     max_lora_rank: int | None = None
     shared_fs_allow: tuple[Path, ...] = ()
+    limits: UploadLimits = field(default_factory=UploadLimits)
+    """Written as flags when they differ from the agent's defaults."""
     extra: tuple[str, ...] = ()
     name: str = "agent"
 
@@ -139,7 +143,7 @@ class AgentSpec(SocketServerSpec):
             argv += ["--max-lora-rank", str(self.max_lora_rank)]
         for allowed in self.shared_fs_allow:
             argv += ["--shared-fs-allow", str(allowed)]
-        return argv + list(self.extra)
+        return argv + argv_for(self.limits) + list(self.extra)
 
     def environ(self) -> dict[str, str]:
         return {"LORAFLEET_CONTROL_TOKEN": self.token or "", **self.env}
