@@ -44,7 +44,7 @@ __all__ = [
     "FleetConfig",
     "FleetConfigError",
     "ReplicaConfig",
-    "RouterConfig",
+    "RouterSection",
     "load_fleet_config",
 ]
 
@@ -94,7 +94,7 @@ class ReplicaConfig(_Model):
         return engine_kind(self.engine).embedded and self.url is None
 
 
-class RouterConfig(_Model):
+class RouterSection(_Model):
     """``[router]``."""
 
     port: int = _Port
@@ -111,7 +111,7 @@ class FleetConfig(_Model):
     control_token: str | None = None
     api_key: str | None = None
     """None: generate one; "": no inference key."""
-    router: RouterConfig = RouterConfig()
+    router: RouterSection = RouterSection()
     replicas: tuple[ReplicaConfig, ...] = ()
 
     @field_validator("data_dir", "model")
@@ -140,7 +140,7 @@ class _FleetTable(_Model):
 
 class _FleetFile(_Model):
     fleet: _FleetTable = _FleetTable()
-    router: RouterConfig = RouterConfig()
+    router: RouterSection = RouterSection()
     replica: list[ReplicaConfig] = []
 
 

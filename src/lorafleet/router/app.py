@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import aiohttp
+import click
 from fastapi import Depends, FastAPI, Response
 from fastapi import Path as FastAPIPath
 from prometheus_client import generate_latest
@@ -31,6 +32,7 @@ from lorafleet._service import (
     streamed_ok,
     token_guard,
 )
+from lorafleet._settings import setting
 from lorafleet.errors import InvalidRequest, NotFound, UnknownReplica, VersionConflict
 from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.errors import ErrorResponse
@@ -69,12 +71,31 @@ class RouterConfig:
     api_key: str | None = None
     agent_token: str | None = None
     state_dir: str | None = None
-    health_interval_s: float = 0.5
-    health_timeout_s: float = 5.0
+    health_interval_s: float = setting(
+        0.5, flag="--health-interval", help="Seconds between health probes of each agent."
+    )
+    health_timeout_s: float = setting(
+        5.0, flag="--health-timeout", help="Seconds an agent may take to answer a probe."
+    )
     """A busy machine can take seconds to answer a probe; that alone does not drop a replica."""
-    unhealthy_after: int = 3
-    healthy_after: int = 2
-    upstream_keepalive_s: float = 2.0
+    unhealthy_after: int = setting(
+        3,
+        flag="--unhealthy-after",
+        type=click.IntRange(min=1),
+        help="Consecutive failed probes or requests that take a replica out of rotation.",
+    )
+    healthy_after: int = setting(
+        2,
+        flag="--healthy-after",
+        type=click.IntRange(min=1),
+        help="Consecutive good probes that bring it back.",
+    )
+    upstream_keepalive_s: float = setting(
+        2.0,
+        flag="--upstream-keepalive",
+        help="Seconds an idle pooled connection to an engine or agent is kept (keep it below the "
+        "peers' own keep-alive, 5 s for uvicorn-based servers).",
+    )
     """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
     which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
     extra: dict = field(default_factory=dict)

@@ -8,12 +8,19 @@ from typing import TYPE_CHECKING
 
 import click
 
+from lorafleet._settings import click_options, from_options
 from lorafleet.launch.listen import fd_option
 
 if TYPE_CHECKING:
     from lorafleet.router.proxy import Proxy
 
 __all__ = ["command"]
+
+
+def _router_config_options(f):
+    from lorafleet.router.app import RouterConfig
+
+    return click_options(RouterConfig)(f)
 
 
 @click.command("router")
@@ -40,36 +47,7 @@ __all__ = ["command"]
     default=None,
     help="Persist the alias table here (reloaded at startup); one router per directory.",
 )
-@click.option("--health-interval", default=0.5, show_default=True, type=float)
-@click.option(
-    "--health-timeout",
-    default=5.0,
-    show_default=True,
-    type=float,
-    help="Seconds an agent may take to answer a probe.",
-)
-@click.option(
-    "--unhealthy-after",
-    default=3,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Consecutive failed probes or requests that take a replica out of rotation.",
-)
-@click.option(
-    "--healthy-after",
-    default=2,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Consecutive good probes that bring it back.",
-)
-@click.option(
-    "--upstream-keepalive",
-    default=2.0,
-    show_default=True,
-    type=float,
-    help="Seconds an idle pooled connection to an engine or agent is kept (keep it below the "
-    "peers' own keep-alive, 5 s for uvicorn-based servers).",
-)
+@_router_config_options
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     agents: str,
@@ -80,14 +58,10 @@ def command(
     api_key: str | None,
     agent_token: str | None,
     state_dir: str | None,
-    health_interval: float,
-    health_timeout: float,
-    unhealthy_after: int,
-    healthy_after: int,
-    upstream_keepalive: float,
     log_level: str,
     *,
     proxy_class: Callable[..., Proxy] | None = None,
+    **options,
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
     from lorafleet._dirlock import DirectoryLocked, lock_directory
@@ -108,17 +82,14 @@ def command(
             raise click.ClickException(str(exc)) from exc
     if control_token is None and os.environ.get("LORAFLEET_CONTROL_TOKEN") == "":
         control_token = None
-    config = RouterConfig(
+    config = from_options(
+        RouterConfig,
+        options,
         agents=urls,
         control_token=control_token or None,
         api_key=api_key or None,
         agent_token=agent_token or control_token or None,
         state_dir=state_dir,
-        health_interval_s=health_interval,
-        health_timeout_s=health_timeout,
-        unhealthy_after=unhealthy_after,
-        healthy_after=healthy_after,
-        upstream_keepalive_s=upstream_keepalive,
     )
     app = create_app(config, proxy_class=proxy_class or Proxy)
     try:
