@@ -14,8 +14,8 @@ import os
 
 import pytest
 
+import lorafleet.agent._direct as direct_mod
 import lorafleet.agent.adapters as adapters_mod
-import lorafleet.agent.uploads as uploads_mod
 from lorafleet.errors import ServiceError
 from tests.agent.test_inprocess import CFG, Node, _Valid, manifest
 
@@ -56,7 +56,7 @@ def writes(monkeypatch):
         seen[kind] += n
         return n
 
-    monkeypatch.setattr(uploads_mod.os, "pwrite", spy)
+    monkeypatch.setattr(direct_mod.os, "pwrite", spy)
     return seen
 
 
@@ -128,7 +128,7 @@ def test_a_file_system_refusing_direct_writes_falls_back(node, monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(uploads_mod.os, "pwrite", picky)
+    monkeypatch.setattr(direct_mod.os, "pwrite", picky)
     files = {"adapter_config.json": CFG, PATH: DATA}
 
     async def go():
@@ -155,13 +155,13 @@ def test_a_failed_direct_write_keeps_only_the_written_prefix(node, monkeypatch):
 
     async def go():
         s = node.uploads.open(manifest("a", 1, files), node.svc.check_version)
-        monkeypatch.setattr(uploads_mod.os, "pwrite", full_disk)
+        monkeypatch.setattr(direct_mod.os, "pwrite", full_disk)
         with pytest.raises(ServiceError) as err:
             await put(node, s.upload_id, ragged(DATA))
         assert err.value.status == 500
-        monkeypatch.setattr(uploads_mod.os, "pwrite", real)
+        monkeypatch.setattr(direct_mod.os, "pwrite", real)
         off = node.uploads.offset(s.upload_id, PATH)
-        assert off == uploads_mod._DIRECT_BUF  # the first buffer, nothing of the one that failed
+        assert off == direct_mod._DIRECT_BUF  # the first buffer, nothing of the one that failed
         assert node.store.partial_path(s.upload_id, PATH).read_bytes()[:off] == DATA[:off]
         r = await put(node, s.upload_id, ragged(DATA[off:]), offset=off)
         assert r.complete

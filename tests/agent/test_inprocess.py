@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+import lorafleet.agent._pipe as pipe_mod
 import lorafleet.agent.adapters as adapters_mod
-import lorafleet.agent.uploads as uploads_mod
 from lorafleet.agent.backends import (
     AdapterMissing,
     EngineRejected,
@@ -286,8 +286,8 @@ async def _threads_gone(prefix: str, timeout: float = 10.0) -> None:
 
 
 def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypatch, tmp_path):
-    monkeypatch.setattr(uploads_mod, "_BATCH", 16)
-    real = uploads_mod._write_and_hash
+    monkeypatch.setattr(pipe_mod, "BATCH", 16)
+    real = pipe_mod._write_and_hash
     writing, release = threading.Event(), threading.Event()
 
     def held(fd, parts):  # every write waits until the test has reused a descriptor
@@ -295,7 +295,7 @@ def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypa
         release.wait(10)
         return real(fd, parts)
 
-    monkeypatch.setattr(uploads_mod, "_write_and_hash", held)
+    monkeypatch.setattr(pipe_mod, "_write_and_hash", held)
     data = b"Z" * 160
     files = {"adapter_config.json": CFG, "adapter_model.safetensors": data}
 
@@ -340,8 +340,8 @@ def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypa
 
 
 def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
-    monkeypatch.setattr(uploads_mod, "_BATCH", 16)
-    real = uploads_mod._write_and_hash
+    monkeypatch.setattr(pipe_mod, "BATCH", 16)
+    real = pipe_mod._write_and_hash
     calls = {"n": 0}
 
     def flaky(fd, parts):
@@ -362,7 +362,7 @@ def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
     async def go():
         s = node.uploads.open(manifest("bar", 1, files), node.svc.check_version)
         await node.put(s.upload_id, "adapter_config.json", CFG)
-        monkeypatch.setattr(uploads_mod, "_write_and_hash", flaky)
+        monkeypatch.setattr(pipe_mod, "_write_and_hash", flaky)
         with pytest.raises((ServiceError, OSError)):
             await node.uploads.put(
                 s.upload_id,
@@ -373,7 +373,7 @@ def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
                 repr_digest=None,
                 content_digest=None,
             )
-        monkeypatch.setattr(uploads_mod, "_write_and_hash", real)
+        monkeypatch.setattr(pipe_mod, "_write_and_hash", real)
         off = node.uploads.offset(s.upload_id, path)
         partial = node.store.partial_path(s.upload_id, path)
         assert partial.read_bytes() == data[:off]

@@ -125,9 +125,10 @@ class Store:
 
         Always a copy, never a hard link: trainers (safetensors, torch.save) rewrite their
         output in place, which would change a linked inode under a registered adapter
-        (promise 6). Raises ``SizeMismatch``/``DigestMismatch``; nothing is left behind.
+        (promise 6). Raises ``SizeExceeded``/``SizeMismatch``/``DigestMismatch``; nothing is
+        left behind.
         """
-        from lorafleet.errors import DigestMismatch, SizeMismatch
+        from lorafleet.agent._verify import check_complete, check_room
 
         if self.has_blob(sha256, size):
             return False
@@ -140,17 +141,13 @@ class Store:
                     buf = fin.read(chunk)
                     if not buf:
                         break
+                    check_room(str(src), n, len(buf), size)
                     n += len(buf)
-                    if n > size:
-                        raise SizeMismatch(f"{src}: more than the declared {size} bytes")
                     h.update(buf)
                     fout.write(buf)
                 fout.flush()
                 os.fsync(fout.fileno())
-            if n != size:
-                raise SizeMismatch(f"{src}: declared {size} bytes, found {n}")
-            if h.hexdigest() != sha256:
-                raise DigestMismatch(f"{src}: declared sha256 {sha256}, found {h.hexdigest()}")
+            check_complete(str(src), n, size, h.hexdigest(), sha256)
             return self.adopt_blob(tmp, sha256)
         finally:
             tmp.unlink(missing_ok=True)

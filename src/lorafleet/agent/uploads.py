@@ -3,7 +3,7 @@
 A session is opened for one manifest. Each missing file is PUT as raw bytes; the handler writes
 batches off the event loop (write and hash run in parallel threads while the loop receives the
 next batch) and stops the moment a file exceeds its declared size. A large file is written with
-O_DIRECT (``_Direct``): copying it into the page cache cost more CPU than hashing it. A broken
+O_DIRECT (``agent._direct``): copying it into the page cache cost more CPU than hashing it. A broken
 connection leaves a durable, fsynced prefix whose length ``HEAD`` reports; the running hash stays
 in memory so a resumed PUT does not re-read it. Verified files are fsynced and renamed into
 ``blobs/sha256/``. Sessions live in memory: staging is cleared at startup, so nothing survives a
@@ -18,25 +18,24 @@ no byte for the plan's ``stall_s`` is cut off with 408 ``transfer_stalled``, kee
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import errno
 import hashlib
 import hmac
 import logging
-import mmap
 import os
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
 
 from lorafleet._http import async_client
+from lorafleet.agent import _pipe
+from lorafleet.agent._direct import DirectWriter
+from lorafleet.agent._pipe import Pipe, WriteFailed, rehash
+from lorafleet.agent._verify import check_digest, check_room, check_size
 from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.relay import Tee
@@ -68,15 +67,12 @@ from lorafleet.protocol.agent import (
     UploadStatus,
     credential_digest,
 )
+from lorafleet.protocol.digests import parse_sha256_digest
 
 __all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
 
-_BATCH = 4 << 20  # bytes handed to the writer threads at once
 _INFLIGHT = 3  # batches queued for the threads while the loop receives the next one
-_IOV_MAX = 512
 _RESERVE = 1 << 30  # free disk kept back when no quota is configured
-_ALIGN = 4096  # O_DIRECT: buffer address, length and file offset are multiples of this
-_DIRECT_BUF = 4 << 20  # the aligned buffer a direct write goes out of
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -117,233 +113,6 @@ class _Session:
     @property
     def busy(self) -> bool:
         return any(f.task is not None for f in self.files.values())
-
-
-def parse_sha256_digest(value: str, header: str) -> str:
-    """Hex sha256 from an RFC 9530 dictionary value such as ``sha-256=:<base64>:``."""
-    for item in value.split(","):
-        key, _, val = item.strip().partition("=")
-        if key.strip().lower() == "sha-256":
-            val = val.strip()
-            if len(val) >= 2 and val[0] == ":" and val[-1] == ":":
-                try:
-                    raw = base64.b64decode(val[1:-1], validate=True)
-                except (binascii.Error, ValueError):
-                    break
-                if len(raw) == 32:
-                    return raw.hex()
-            break
-    raise InvalidRequest(f"{header} needs a sha-256=:<base64>: member", param=header)
-
-
-def _write_and_hash(fd: int, parts: list[bytes]) -> None:
-    for i in range(0, len(parts), _IOV_MAX):
-        chunk = parts[i : i + _IOV_MAX]
-        todo = sum(len(p) for p in chunk)
-        n = os.writev(fd, chunk)
-        if n != todo:  # short write: finish the rest plainly
-            rest = memoryview(b"".join(chunk))[n:]
-            while rest:
-                rest = rest[os.write(fd, rest) :]
-
-
-def _hash_parts(parts: list[bytes], *hashers) -> None:
-    for p in parts:
-        for h in hashers:
-            h.update(p)
-
-
-class _WriteFailed(Exception):
-    """A batch could not be written; stop receiving."""
-
-
-class _Pipe:
-    """Batches written by one thread and hashed by another, each in order, for one descriptor.
-
-    The descriptor belongs to the write thread: ``finish`` queues fsync and close behind every
-    write, so it is never closed while a write is pending. After a failed write, later batches
-    are skipped, ``error`` is set and ``written`` counts only the bytes that reached the file.
-    """
-
-    def __init__(self, fd: int, hashers: tuple, direct: _Direct | None = None) -> None:
-        self.fd = fd
-        self.hashers = hashers
-        self.direct = direct
-        self.wx = ThreadPoolExecutor(1, thread_name_prefix="upload-write")
-        self.hx = ThreadPoolExecutor(1, thread_name_prefix="upload-hash")
-        self.pending: deque[tuple[Future, Future]] = deque()
-        self.written = 0
-        self.error: BaseException | None = None
-
-    def _write(self, parts: list[bytes], n: int) -> None:
-        if self.error is not None:
-            return  # nothing after a hole
-        try:
-            if self.direct is not None:
-                self.direct.write(parts)
-            else:
-                _write_and_hash(self.fd, parts)
-                self.written += n
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            if self.direct is not None:  # what reached the file, even if a write failed
-                self.written = self.direct.pos - self.direct.start
-
-    def _close(self) -> None:
-        try:
-            if self.error is None:
-                if self.direct is not None:
-                    self.direct.flush_tail()
-                os.fsync(self.fd)
-        except BaseException as exc:
-            self.error = exc
-            self.written = 0  # nothing is known to be durable
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            if self.direct is not None:
-                self.direct.close()
-
-    def submit(self, parts: list[bytes]) -> None:
-        n = sum(len(p) for p in parts)
-        w = self.wx.submit(self._write, parts, n)
-        h = self.hx.submit(_hash_parts, parts, *self.hashers)
-        self.pending.append((w, h))
-
-    async def backlog(self, limit: int) -> None:
-        """Wait until at most ``limit`` batches are queued; raise if a write failed."""
-        while len(self.pending) > limit:
-            w, h = self.pending[0]
-            await asyncio.shield(asyncio.wrap_future(w))
-            await asyncio.shield(asyncio.wrap_future(h))
-            self.pending.popleft()
-            if self.error is not None:
-                raise _WriteFailed
-
-    async def finish(self) -> bool:
-        """Close after every queued write, wait for every hash; True if cancelled meanwhile."""
-        done = (self.wx.submit(self._close), self.hx.submit(lambda: None))
-        self.wx.shutdown(wait=False)
-        self.hx.shutdown(wait=False)
-        cancelled = False
-        for fut in done:
-            af = asyncio.wrap_future(fut)
-            while not af.done():
-                try:
-                    await asyncio.shield(af)
-                except asyncio.CancelledError:
-                    cancelled = True
-                except BaseException:
-                    break
-        for _, h in self.pending:
-            if h.exception() is not None and self.error is None:
-                self.error = h.exception()
-                self.written = 0
-        return cancelled
-
-
-class _Direct:
-    """Writes one file's bytes with O_DIRECT from an aligned buffer (write thread only).
-
-    Bytes are copied into a page-aligned buffer and written in aligned runs through a second,
-    O_DIRECT descriptor; what does not fill an aligned block (an unaligned resume offset, the
-    file's tail) goes through the ordinary descriptor. ``pos`` is the file offset up to which
-    bytes have been written. If the file system refuses a direct write, the rest of the file
-    is written through the page cache.
-    """
-
-    def __init__(self, fd: int, dfd: int, pos: int) -> None:
-        self.fd, self.dfd = fd, dfd
-        self.start = self.pos = pos
-        self.buf = mmap.mmap(-1, _DIRECT_BUF)  # page-aligned
-        self.fill = 0
-
-    @classmethod
-    def open(cls, path: str, fd: int, pos: int) -> _Direct | None:
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return None  # not Linux
-        try:
-            dfd = os.open(path, os.O_WRONLY | flag)
-        except OSError:
-            return None  # a file system without O_DIRECT: the page cache it is
-        return cls(fd, dfd, pos)
-
-    def write(self, parts: list[bytes]) -> None:
-        for p in parts:
-            mv = memoryview(p)
-            while mv:
-                take = min(len(mv), len(self.buf) - self.fill)
-                self.buf[self.fill : self.fill + take] = mv[:take]
-                self.fill += take
-                mv = mv[take:]
-                if self.fill == len(self.buf):
-                    self._flush()
-        self._flush()
-
-    def _flush(self) -> None:
-        head = -self.pos % _ALIGN
-        if head and self.fill:  # reach an aligned offset first (a resume mid-block)
-            self._plain(min(head, self.fill))
-        run = self.fill - self.fill % _ALIGN
-        if not run:
-            return
-        if self.dfd < 0:
-            self._plain(run)
-            return
-        with memoryview(self.buf) as view:
-            done = 0
-            try:
-                while done < run:
-                    done += os.pwrite(self.dfd, view[done:run], self.pos + done)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                os.close(self.dfd)  # alignment this file system will not take
-                self.dfd = -1
-        self._consume(done)
-        if done < run:
-            self._plain(run - done)
-
-    def _plain(self, n: int) -> None:
-        with memoryview(self.buf) as view:
-            done = 0
-            while done < n:
-                done += os.pwrite(self.fd, view[done:n], self.pos + done)
-        self._consume(n)
-
-    def _consume(self, n: int) -> None:
-        self.pos += n
-        self.fill -= n
-        if self.fill:
-            self.buf.move(0, n, self.fill)
-
-    def flush_tail(self) -> None:
-        """Write what is left (less than a block, or everything after a direct refusal)."""
-        self._flush()
-        if self.fill:
-            self._plain(self.fill)
-
-    def close(self) -> None:
-        if self.dfd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.dfd)
-            self.dfd = -1
-        self.buf.close()
-
-
-def _rehash(path: str, length: int) -> object:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        left = length
-        while left:
-            buf = f.read(min(_BATCH, left))
-            if not buf:
-                break
-            h.update(buf)
-            left -= len(buf)
-    return h
 
 
 class UploadManager:
@@ -629,7 +398,7 @@ class UploadManager:
         partial.parent.mkdir(parents=True, exist_ok=True)
         if f.hasher is None:
             f.hasher = (
-                await asyncio.to_thread(_rehash, str(partial), f.offset)
+                await asyncio.to_thread(rehash, str(partial), f.offset)
                 if f.offset
                 else hashlib.sha256()
             )
@@ -646,30 +415,29 @@ class UploadManager:
         direct = None
         floor = self.limits.direct_io_min_bytes
         if floor is not None and entry.size >= floor:
-            direct = _Direct.open(str(partial), fd, f.offset)
+            direct = DirectWriter.open(str(partial), fd, f.offset)
         start = received = f.offset
         parts: list[bytes] = []
         nbuf = 0
-        pipe = _Pipe(fd, hashers, direct)  # owns fd from here: only its write thread closes it
+        pipe = Pipe(fd, hashers, direct)  # owns fd from here: only its write thread closes it
         refused = False
         cancelled = False
         try:
             async for chunk in body:
                 if not chunk:
                     continue
-                if received + len(chunk) > entry.size:
+                try:
+                    check_room(repr(entry.path), received, len(chunk), entry.size, entry.path)
+                except SizeExceeded:
                     refused = True
                     self.metrics.verification_failures.labels("size").inc()
-                    raise SizeExceeded(
-                        f"{entry.path!r}: more bytes than the declared size of {entry.size}",
-                        param=entry.path,
-                    )
+                    raise
                 if tee is not None:
                     await tee.feed(chunk)  # the next hop gets it before this one writes it
                 received += len(chunk)
                 parts.append(chunk)
                 nbuf += len(chunk)
-                if nbuf >= _BATCH:
+                if nbuf >= _pipe.BATCH:
                     self.metrics.bytes_received.inc(nbuf)
                     pipe.submit(parts)
                     parts, nbuf = [], 0
@@ -678,7 +446,7 @@ class UploadManager:
                 if s.closed:
                     refused = True
                     raise UploadNotFound(f"upload {s.id} was discarded")
-        except _WriteFailed:
+        except WriteFailed:
             pass  # answered below, once the written prefix is known
         finally:
             # Every exit (done, refused, broken connection, cancelled) comes through here: the
@@ -716,9 +484,7 @@ class UploadManager:
 
         def refuse(kind: type[IntegrityError], message: str) -> IntegrityError:
             # Nothing of a file that failed verification stays behind.
-            self.metrics.verification_failures.labels(
-                "size" if kind is SizeMismatch else "digest"
-            ).inc()
+            self.metrics.verification_failures.labels("digest").inc()
             self._reset(s, f)
             return kind(f"{entry.path!r}: {message}", param=entry.path)
 
@@ -726,16 +492,24 @@ class UploadManager:
             # Every byte went on: the targets judge their copies themselves (a corrupt one is
             # refused there too), and their verdicts are reported whatever this copy's is.
             f.relayed = await tee.finish()
-        if received != entry.size:
-            raise refuse(SizeMismatch, f"declared {entry.size} bytes, received {received}")
+        what = repr(entry.path)
+        try:
+            check_size(what, received, entry.size, entry.path)
+        except SizeMismatch:
+            self.metrics.verification_failures.labels("size").inc()
+            self._reset(s, f)
+            raise
         if chash is not None and chash.hexdigest() != chunk_want:
             raise refuse(
                 DigestMismatch,
                 f"Content-Digest sha256 {chunk_want}, body hashed to {chash.hexdigest()}",
             )
-        actual = hasher.hexdigest()
-        if actual != entry.sha256:
-            raise refuse(DigestMismatch, f"declared sha256 {entry.sha256}, received {actual}")
+        try:
+            check_digest(what, hasher.hexdigest(), entry.sha256, entry.path)
+        except DigestMismatch:
+            self.metrics.verification_failures.labels("digest").inc()
+            self._reset(s, f)
+            raise
         if self.store.adopt_blob(partial, entry.sha256):
             s.added_blobs.add(entry.sha256)
         f.complete = True
