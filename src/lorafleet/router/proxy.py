@@ -395,7 +395,7 @@ class Proxy:
         """Relay a whole answer (tagged if it is a 200 JSON body); the status sent."""
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             await send_error(send, StreamInterrupted(_broke_off(exc)))
             return 502
         headers = self._tag_headers(route, replica)
@@ -509,7 +509,7 @@ class Proxy:
                     events, done = events[:i] + tag + events[i:] + held, True
                 if events:
                     await send({"type": "http.response.body", "body": events, "more_body": True})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             broke = _broke_off(exc)
         if not done and failed is None and broke is None:
             # The last event may lack its blank line: the engine's own end or error still count.
