@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -83,9 +82,8 @@ class RouterConfig:
 class RouterApp:
     """ASGI entry: hot POST routes to the proxy, the rest to FastAPI."""
 
-    def __init__(self, config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> None:
+    def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.proxy_class = proxy_class
         self.store = AliasStore(config.state_dir)
         self.balancer = Balancer(
             config.agents,
@@ -131,7 +129,7 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
-        self.proxy = self.proxy_class(
+        self.proxy = Proxy(
             self.store,
             self.balancer,
             self.metrics,
@@ -518,6 +516,6 @@ _DATA_PLANE_WHY = {
 }
 
 
-def create_app(config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> RouterApp:
-    """The router's ASGI app. ``proxy_class``: the data plane (a seam for test doubles)."""
-    return RouterApp(config, proxy_class=proxy_class)
+def create_app(config: RouterConfig) -> RouterApp:
+    """The router's ASGI app."""
+    return RouterApp(config)

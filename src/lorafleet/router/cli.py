@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import click
 
 from lorafleet.launch.listen import fd_option
-
-if TYPE_CHECKING:
-    from lorafleet.router.proxy import Proxy
 
 __all__ = ["command"]
 
@@ -86,14 +81,11 @@ def command(
     healthy_after: int,
     upstream_keepalive: float,
     log_level: str,
-    *,
-    proxy_class: Callable[..., Proxy] | None = None,
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
     from lorafleet._dirlock import DirectoryLocked, lock_directory
     from lorafleet.launch.listen import listen_address, serve
     from lorafleet.router.app import RouterConfig, create_app
-    from lorafleet.router.proxy import Proxy
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
@@ -120,7 +112,7 @@ def command(
         healthy_after=healthy_after,
         upstream_keepalive_s=upstream_keepalive,
     )
-    app = create_app(config, proxy_class=proxy_class or Proxy)
+    app = create_app(config)
     try:
         serve(
             app,
