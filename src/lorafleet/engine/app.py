@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafleet._auth import check_bearer
-from lorafleet._service import METRICS_RESPONSES, MetricsResponse, finish_openapi
+from lorafleet._service import METRICS_RESPONSES, MetricsResponse, finish_openapi, service_app
 from lorafleet.engine import _openai, _sglang, _vllm_admin
 from lorafleet.engine._errors import EngineError, error_body
 from lorafleet.engine._metrics import EngineMetrics
@@ -130,7 +130,7 @@ def create_app(
     """
     if dialect not in ("vllm", "sglang"):
         raise ValueError(f"unknown dialect {dialect!r}")
-    app = FastAPI(title="lorafleet reference engine", docs_url=None, redoc_url=None)
+    app = service_app("lorafleet reference engine", docs_url=None, redoc_url=None)
     metrics = EngineMetrics()
     sglang = SGLangDialect(runtime, upsert=sglang_upsert) if dialect == "sglang" else None
     _add_error_handlers(app, dialect)

@@ -27,6 +27,7 @@ from lorafleet._service import (
     errors,
     finish_openapi,
     install_error_handlers,
+    service_app,
     streamed_ok,
     token_guard,
 )
@@ -190,7 +191,7 @@ def _status(r: Replica) -> ReplicaStatus:
 
 def _build_api(router: RouterApp) -> FastAPI:
     cfg = router.config
-    app = FastAPI(title="lorafleet router", lifespan=router.lifespan)
+    app = service_app("lorafleet router", lifespan=router.lifespan)
     install_error_handlers(app)
     app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
     store, balancer = router.store, router.balancer
