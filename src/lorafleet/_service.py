@@ -5,7 +5,8 @@ Service logic raises ``lorafleet.errors.ServiceError`` subclasses; ``error_parts
 status, headers and the protocol's envelope, for FastAPI apps (``install_error_handlers``) and for
 the router's bare-ASGI data plane (``send_error``) alike. ``errors(...)`` documents the statuses a
 route answers, ``token_guard`` the bearer scheme, ``finish_openapi`` what FastAPI documents on its
-own but lorafleet never answers. Nothing here knows a specific service.
+own but lorafleet never answers, ``service_app`` the app itself. Nothing here knows a specific
+service.
 """
 
 from __future__ import annotations
@@ -51,11 +52,21 @@ __all__ = [
     "read_json",
     "require_token",
     "send_error",
+    "service_app",
     "streamed_ok",
     "token_guard",
 ]
 
 log = logging.getLogger("lorafleet.service")
+
+
+def service_app(title: str, **kwargs: Any) -> FastAPI:
+    """A FastAPI app as every lorafleet service builds one: a path that matches no route is that
+    path's 404, never a redirect. (FastAPI's default ``redirect_slashes`` sends ``DELETE
+    /v1/control/leases/policy/``, an empty holder, with a 307 to the operator's lease-break
+    route: a client that follows redirects would break the lease.)"""
+    return FastAPI(title=title, redirect_slashes=False, **kwargs)
+
 
 # Control-plane JSON bodies are small; anything bigger is refused before it is parsed.
 DEFAULT_JSON_LIMIT = 1 << 20

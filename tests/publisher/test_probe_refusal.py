@@ -1,7 +1,8 @@
 """The application probe refuses an engine that loads an adapter but does not apply it.
 
 The fleet is misconfigured on purpose: the engine behaves as real SGLang 0.5.23 (the reference
-engine's ``--dialect sglang``, with vLLM's load routes kept so a vLLM agent can load into it),
+engine's ``--dialect sglang``, with vLLM's load routes kept so a vLLM agent can load into it:
+``tests.doubles.misaddressed_engine``),
 and its agent says ``--engine vllm``. So the router and the probe address an adapter with its
 bare name, which SGLang answers with the base model and a 200 (docs/engines/sglang.md). Without
 the probe every routed request would be tagged with the new version and served by the base.
@@ -20,18 +21,16 @@ from lorafleet.testing import (
     greedy_completion,
     make_peft_adapter,
     start_agent,
-    start_reference_engine,
     start_router,
 )
+from tests.doubles.misaddressed_engine import start_misaddressed_engine
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_bare_name_on_sglang_is_not_applied_and_the_cutover_refused(launcher, tiny_model, tmp_path):
     token = secrets.token_urlsafe(12)
-    engine = start_reference_engine(
-        launcher, tiny_model, max_lora_rank=16, dialect="sglang", extra=("--vllm-lora-routes",)
-    )
+    engine = start_misaddressed_engine(launcher, tiny_model, max_lora_rank=16)
     agent = start_agent(launcher, engine, tmp_path / "agent", kind="vllm", token=token)
     router = start_router(launcher, [agent], token=token, health_interval=0.2)
     # A freshly initialised PEFT adapter (B = 0) changes nothing: unverifiable, never refused.

@@ -1,5 +1,5 @@
 """The consistency checker against real cutovers: clean with the real router, and it catches a
-router with a deliberate time-of-check/time-of-use bug (``lorafleet.testing.broken_router``)."""
+router with a deliberate time-of-check/time-of-use bug (``tests.doubles.broken_router``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from lorafleet.protocol.router import AliasTable
 from lorafleet.testing.consistency import check, generate_load
+from tests.doubles.broken_router import start_broken_router
 from tests.router.helpers import ctl, install_sync, set_alias, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,7 +55,13 @@ def test_real_cutovers_are_consistent(launcher, fleet, cons_versions, stream):
 
 
 def test_checker_catches_a_broken_cutover(launcher, fleet, cons_versions):
-    router = fleet.start_router(launcher, resolve_at_forward=0.2)
+    router = start_broken_router(
+        launcher,
+        fleet.agents,
+        token=fleet.token,
+        resolve_at_forward=0.2,
+        health_interval=fleet.health_interval,
+    )
     wait_healthy(router, 2)
     set_alias(router, "cons", 1, cons_versions[1], [m.replica_id for m in fleet.replicas])
     observations, log = run_cutovers(router, fleet, [2, 3, 4], cons_versions)

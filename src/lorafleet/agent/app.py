@@ -30,6 +30,7 @@ from lorafleet._service import (
     errors,
     finish_openapi,
     install_error_handlers,
+    service_app,
     token_guard,
 )
 from lorafleet._settings import setting
@@ -223,7 +224,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         finally:
             await rt.stop()
 
-    app = FastAPI(title="lorafleet agent", version="1", lifespan=lifespan)
+    app = service_app("lorafleet agent", version="1", lifespan=lifespan)
     app.state.runtime = rt
     install_error_handlers(app)
 

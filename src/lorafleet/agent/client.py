@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -27,6 +28,7 @@ from lorafleet.errors import TransportError
 from lorafleet.protocol.agent import (
     REPR_DIGEST_HEADER,
     UPLOAD_OFFSET_HEADER,
+    ActivateRequest,
     AdapterList,
     AdapterRecord,
     AgentInfo,
@@ -34,11 +36,14 @@ from lorafleet.protocol.agent import (
     ForwardPlan,
     Health,
     LoadMode,
+    LoadRequest,
     OpenUploadRequest,
     RegisterPathRequest,
     RelayAccept,
+    UnloadRequest,
     UploadSession,
     UploadStatus,
+    VerifyRequest,
     file_url,
     repr_digest,
     upload_url,
@@ -49,6 +54,12 @@ __all__ = ["AsyncAgentClient"]
 Source = str | os.PathLike | bytes | bytearray | memoryview
 Progress = Callable[[int, int], Any]
 Sent = Callable[[int], Any]
+
+
+def _body(model: type[BaseModel], **fields: Any) -> dict[str, Any]:
+    """``model``'s JSON body, unvalidated: the agent judges names and versions (its refusal is a
+    ``RemoteError`` with the protocol's code), the model only spells the fields."""
+    return model.model_construct(**fields).model_dump(mode="json")
 
 
 class AsyncAgentClient:
@@ -193,26 +204,26 @@ class AsyncAgentClient:
     # --- adapters --------------------------------------------------------------------------
 
     async def load(self, name: str, version: int, mode: LoadMode = "versioned") -> AdapterRecord:
-        body = {"name": name, "version": version, "mode": mode}
+        body = _body(LoadRequest, name=name, version=version, mode=mode)
         resp = await self._request("POST", "/v1/adapters/load", json=body)
         return AdapterRecord.model_validate(resp.json())
 
     async def verify(self, name: str, version: int) -> AdapterRecord:
         """Ask the agent to check that its engine applies the loaded version (the record's
         ``application``). Raises ``AdapterNotApplied`` when it answers as the base model."""
-        body = {"name": name, "version": version}
+        body = _body(VerifyRequest, name=name, version=version)
         resp = await self._request("POST", "/v1/adapters/verify", json=body, extensions=REPLAYABLE)
         return AdapterRecord.model_validate(resp.json())
 
     async def activate(self, name: str, version: int) -> AdapterRecord:
-        body = {"name": name, "version": version}
+        body = _body(ActivateRequest, name=name, version=version)
         resp = await self._request("POST", "/v1/adapters/activate", json=body)
         return AdapterRecord.model_validate(resp.json())
 
     async def unload(self, name: str, version: int) -> AdapterRecord:
         """Unload and delete ``name`` v``version``. ``EngineUnavailable``: the agent's engine did
         not answer; the agent keeps the version ``retiring`` and finishes when it answers."""
-        body = {"name": name, "version": version}
+        body = _body(UnloadRequest, name=name, version=version)
         resp = await self._request("POST", "/v1/adapters/unload", json=body)
         return AdapterRecord.model_validate(resp.json())
 

@@ -9,9 +9,8 @@
 - here: ``/health``, ``/metrics``, vLLM's error envelope everywhere, and the API key.
 
 ``dialect="sglang"`` makes the engine a stand-in for real SGLang 0.5.23 (``_sglang.SGLangDialect``):
-no vLLM routes (``vllm_lora_routes`` keeps its load/unload, for a test of a misconfigured fleet),
-SGLang's addressing on the OpenAI routes, and FastAPI's bare ``{"detail": ...}`` for an unknown
-route, as SGLang answers one.
+no vLLM routes, SGLang's addressing on the OpenAI routes, and FastAPI's bare ``{"detail": ...}``
+for an unknown route, as SGLang answers one.
 
 The OpenAPI document lists every status each route answers (and, with an API key, its 401).
 
@@ -28,7 +27,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafleet._auth import check_bearer
-from lorafleet._service import METRICS_RESPONSES, MetricsResponse, finish_openapi
+from lorafleet._service import METRICS_RESPONSES, MetricsResponse, finish_openapi, service_app
 from lorafleet.engine import _openai, _sglang, _vllm_admin
 from lorafleet.engine._errors import EngineError, error_body
 from lorafleet.engine._metrics import EngineMetrics
@@ -122,17 +121,16 @@ def create_app(
     api_key: str | None = None,
     dialect: str = "vllm",
     sglang_upsert: bool = False,
-    vllm_lora_routes: bool = False,
 ) -> FastAPI:
     """The engine's ASGI app. ``api_key`` guards /v1/* and SGLang's routes like vLLM's --api-key.
 
     ``dialect``: "vllm" (vLLM's, with SGLang's routes beside it) or "sglang" (real SGLang
     0.5.23's, see ``_sglang``); ``sglang_upsert``: in SGLang's dialect, honour the Miles fork's
-    ``upsert``; ``vllm_lora_routes``: in SGLang's dialect, keep vLLM's load and unload routes.
+    ``upsert``.
     """
     if dialect not in ("vllm", "sglang"):
         raise ValueError(f"unknown dialect {dialect!r}")
-    app = FastAPI(title="lorafleet reference engine", docs_url=None, redoc_url=None)
+    app = service_app("lorafleet reference engine", docs_url=None, redoc_url=None)
     metrics = EngineMetrics()
     sglang = SGLangDialect(runtime, upsert=sglang_upsert) if dialect == "sglang" else None
     _add_error_handlers(app, dialect)
@@ -152,7 +150,7 @@ def create_app(
         return MetricsResponse(generate_latest(metrics.registry))
 
     app.include_router(_openai.router(runtime, metrics, sglang))
-    if sglang is None or vllm_lora_routes:
+    if sglang is None:
         app.include_router(_vllm_admin.router(runtime, metrics))
     app.include_router(_sglang.router(runtime, metrics, sglang))
     app.state.runtime = runtime

@@ -67,12 +67,6 @@ def _threads() -> int:
     is_flag=True,
     help="With --dialect sglang: honour `upsert` on /load_lora_adapter, as the Miles fork does.",
 )
-@click.option(
-    "--vllm-lora-routes",
-    is_flag=True,
-    help="With --dialect sglang: keep vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter "
-    "(a misconfigured-fleet test double: loads like vLLM, addresses like SGLang).",
-)
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     model_dir: str,
@@ -87,7 +81,6 @@ def command(
     api_key: str | None,
     dialect: str,
     sglang_upsert: bool,
-    vllm_lora_routes: bool,
     log_level: str,
 ) -> None:
     """Run the reference engine: a CPU inference server with runtime LoRA (torch + PEFT)."""
@@ -115,7 +108,6 @@ def command(
         api_key=api_key,
         dialect=dialect,
         sglang_upsert=sglang_upsert,
-        vllm_lora_routes=vllm_lora_routes,
     )
     try:
         serve(app, host=host, port=port, fd=fd, log_level=log_level, access_log=False)

@@ -10,6 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# vLLM's LoRA control bodies are the wire protocol's (the front takes the same ones).
+from lorafleet.protocol.front import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
@@ -69,19 +72,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=0, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
-
-
-class LoadLoRAAdapterRequest(_Open):
-    """vLLM's ``POST /v1/load_lora_adapter`` body (fields optional so the check is vLLM's)."""
-
-    lora_name: str | None = None
-    lora_path: str | None = None
-    load_inplace: bool = False
-
-
-class UnloadLoRAAdapterRequest(_Open):
-    lora_name: str | None = None
-    lora_int_id: int | None = None
 
 
 class SGLangLoadLoRAAdapterRequest(_Open):

@@ -30,6 +30,7 @@ agent_port = 9001              # default: a free port
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -189,10 +190,6 @@ def load_fleet_config(
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        try:
-            import tomllib
-        except ImportError as exc:  # Python 3.10
-            raise FleetConfigError("reading a fleet file needs Python 3.11+ (tomllib)") from exc
         try:
             raw = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as exc:

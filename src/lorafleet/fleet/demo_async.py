@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorafleet.fleet.config import FleetConfig
 from lorafleet.fleet.local import LocalFleet
 from lorafleet.fleet.skill import PROMPT, TrainSettings, reward
+from lorafleet.protocol.router import SESSION_HEADER
 
 __all__ = ["AsyncDemoSummary", "run_async_demo"]
 
@@ -94,7 +95,7 @@ class _Rollouts:
             episode = 0
             while not self.stop.is_set():
                 episode += 1
-                session = {**self.headers, "X-Session-ID": f"w{worker}-e{episode}"}
+                session = {**self.headers, SESSION_HEADER: f"w{worker}-e{episode}"}
                 versions = set()
                 for _ in range(2):
                     r = client.post("/v1/completions", json=body, headers=session)
@@ -108,7 +109,7 @@ class _Rollouts:
                         self.samples.append((version, score, r.status_code))
                 with self.lock:
                     self.switched += len(versions) > 1
-                client.post("/finish_session", params={"session_id": session["X-Session-ID"]},
+                client.post("/finish_session", params={"session_id": session[SESSION_HEADER]},
                             headers=self.headers)  # fmt: skip
 
     def take(self) -> list[tuple[int | None, float, int]]:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from lorafleet._service import JsonBodyLimit, install_error_handlers
+from lorafleet._service import JsonBodyLimit, install_error_handlers, service_app
 from lorafleet.front.dialects import DIALECTS
 from lorafleet.front.forward import GENERATION_BODY_LIMIT
 from lorafleet.front.service import Front, FrontConfig
@@ -34,7 +34,7 @@ def create_app(cfg: FrontConfig) -> FastAPI:
         finally:
             await front.aclose()
 
-    app = FastAPI(title=f"lorafleet front ({dialect.name})", lifespan=lifespan)
+    app = service_app(f"lorafleet front ({dialect.name})", lifespan=lifespan)
     app.state.front = front
     install_error_handlers(app)
     app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT)

@@ -19,17 +19,19 @@ from fastapi.responses import Response, StreamingResponse
 from lorafleet._service import read_json
 from lorafleet.errors import EngineUnavailable, InvalidRequest
 from lorafleet.front.service import Front
-from lorafleet.protocol.router import ADAPTER_HEADER, REPLICA_HEADER, VERSION_HEADER
+from lorafleet.protocol.errors import ERROR_CODE_HEADER
+from lorafleet.protocol.router import ADAPTER_HEADER, REPLICA_HEADER, SESSION_HEADER, VERSION_HEADER
 
 __all__ = ["GENERATION_BODY_LIMIT", "forward_generation", "read_object"]
 
 GENERATION_BODY_LIMIT = 64 << 20
-_PASS_HEADERS = ("x-session-id", "x-request-id")
+# The session pins a rollout to one version; a client's request id is passed on for its logs.
+_PASS_HEADERS = (SESSION_HEADER.lower(), "x-request-id")
 _ANSWER_HEADERS = (
     ADAPTER_HEADER.lower(),
     VERSION_HEADER.lower(),
     REPLICA_HEADER.lower(),
-    "x-lorafleet-error-code",
+    ERROR_CODE_HEADER.lower(),
     "retry-after",
 )
 

@@ -164,15 +164,9 @@ class RouterSpec(SocketServerSpec):
     health_interval: float | None = None
     extra: tuple[str, ...] = ()
     name: str = "router"
-    module: str | None = None
-    """Run ``python -m module`` with the router's options instead of ``lorafleet router``."""
 
     def argv(self, fd: int) -> list[str]:
-        args = ("--agents", ",".join(self.agents), "--fd", str(fd))
-        if self.module is not None:
-            argv = [sys.executable, "-m", self.module, *args]
-        else:
-            argv = lorafleet_argv("router", *args)
+        argv = lorafleet_argv("router", "--agents", ",".join(self.agents), "--fd", str(fd))
         if self.state_dir is not None:
             argv += ["--state-dir", str(self.state_dir)]
         if self.health_interval is not None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 import httpx
@@ -303,7 +303,7 @@ class UnloadRequest(_Model):
     version: Version
 
 
-class AdapterState(str, Enum):
+class AdapterState(StrEnum):
     STAGED = "staged"
     LOADED = "loaded"
     ACTIVE = "active"

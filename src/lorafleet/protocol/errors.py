@@ -11,7 +11,6 @@ from pydantic import BaseModel
 
 __all__ = [
     "ERROR_CODE_HEADER",
-    "RETRYABLE_STATUSES",
     "STATUS_BY_CODE",
     "ErrorCode",
     "ErrorInfo",
@@ -20,9 +19,6 @@ __all__ = [
 ]
 
 ERROR_CODE_HEADER = "X-Lorafleet-Error-Code"
-
-# Statuses a client may retry for an idempotent request. Nothing else is retried.
-RETRYABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 
 
 class ErrorCode:

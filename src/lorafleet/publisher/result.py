@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 __all__ = ["PublishResult", "ReplicaState", "ReplicaTiming", "Timeouts"]
 
 
-class ReplicaState(str, Enum):
+class ReplicaState(StrEnum):
     """Where one replica stands in a publication."""
 
     PENDING = "pending"

@@ -163,9 +163,6 @@ class RayFleet:
             raise ValueError(f"replica {index}'s engine is not run by lorafleet (attached)")
         return self.actor(name)
 
-    def router_actor(self) -> Any:
-        return self.actor(_ROUTER)
-
     def servers(self, timeout: float = 10.0) -> dict[str, dict[str, Any] | None]:
         """Each actor's ``info()`` by actor name (None: the actor does not answer)."""
         names = [_ROUTER]

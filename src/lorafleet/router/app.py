@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -29,6 +28,7 @@ from lorafleet._service import (
     errors,
     finish_openapi,
     install_error_handlers,
+    service_app,
     streamed_ok,
     token_guard,
 )
@@ -104,9 +104,8 @@ class RouterConfig:
 class RouterApp:
     """ASGI entry: hot POST routes to the proxy, the rest to FastAPI."""
 
-    def __init__(self, config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> None:
+    def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.proxy_class = proxy_class
         self.store = AliasStore(config.state_dir)
         self.balancer = Balancer(
             config.agents,
@@ -152,7 +151,7 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
-        self.proxy = self.proxy_class(
+        self.proxy = Proxy(
             self.store,
             self.balancer,
             self.metrics,
@@ -213,7 +212,7 @@ def _status(r: Replica) -> ReplicaStatus:
 
 def _build_api(router: RouterApp) -> FastAPI:
     cfg = router.config
-    app = FastAPI(title="lorafleet router", lifespan=router.lifespan)
+    app = service_app("lorafleet router", lifespan=router.lifespan)
     install_error_handlers(app)
     app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
     store, balancer = router.store, router.balancer
@@ -539,6 +538,6 @@ _DATA_PLANE_WHY = {
 }
 
 
-def create_app(config: RouterConfig, *, proxy_class: Callable[..., Proxy] = Proxy) -> RouterApp:
-    """The router's ASGI app. ``proxy_class``: the data plane (a seam for test doubles)."""
-    return RouterApp(config, proxy_class=proxy_class)
+def create_app(config: RouterConfig) -> RouterApp:
+    """The router's ASGI app."""
+    return RouterApp(config)

@@ -212,7 +212,7 @@ class Balancer:
         d.waiters.append(fut)
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if fut in d.waiters:

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import click
 
 from lorafleet._settings import click_options, from_options
 from lorafleet.launch.listen import fd_option
-
-if TYPE_CHECKING:
-    from lorafleet.router.proxy import Proxy
 
 __all__ = ["command"]
 
@@ -59,15 +54,12 @@ def command(
     agent_token: str | None,
     state_dir: str | None,
     log_level: str,
-    *,
-    proxy_class: Callable[..., Proxy] | None = None,
     **options,
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
     from lorafleet._dirlock import DirectoryLocked, lock_directory
     from lorafleet.launch.listen import listen_address, serve
     from lorafleet.router.app import RouterConfig, create_app
-    from lorafleet.router.proxy import Proxy
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
@@ -91,7 +83,7 @@ def command(
         agent_token=agent_token or control_token or None,
         state_dir=state_dir,
     )
-    app = create_app(config, proxy_class=proxy_class or Proxy)
+    app = create_app(config)
     try:
         serve(
             app,

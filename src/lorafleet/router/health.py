@@ -79,7 +79,7 @@ class HealthPoller:
             outcome = None
         except _NotReady as exc:
             outcome = (str(exc), True)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             outcome = (f"{type(exc).__name__}: {exc}", False)
         if r.agent_url != url:
             return  # moved (PUT /v1/control/replicas/...) while probed: about the old address

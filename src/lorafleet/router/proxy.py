@@ -42,7 +42,15 @@ from lorafleet.errors import (
 )
 from lorafleet.protocol.errors import error_body
 from lorafleet.protocol.names import check_engine_name
-from lorafleet.protocol.router import TAG_FIELD, AliasEntry, RoutableVersion
+from lorafleet.protocol.router import (
+    ADAPTER_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+    TAG_FIELD,
+    VERSION_HEADER,
+    AliasEntry,
+    RoutableVersion,
+)
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.table import AliasStore
@@ -72,9 +80,11 @@ _CONNECT_ERRORS = (
     aiohttp.ServerTimeoutError,  # includes the connect timeout (aiohttp.ConnectionTimeoutError)
 )
 _FWD_HEADERS = {"Content-Type": "application/json"}
-_H_ADAPTER = b"x-lorafleet-adapter"
-_H_VERSION = b"x-lorafleet-adapter-version"
-_H_REPLICA = b"x-lorafleet-replica"
+# ASGI header names are lower-case bytes.
+_H_ADAPTER = ADAPTER_HEADER.lower().encode()
+_H_VERSION = VERSION_HEADER.lower().encode()
+_H_REPLICA = REPLICA_HEADER.lower().encode()
+_H_SESSION = SESSION_HEADER.lower().encode()
 _STREAM_OBJECT = {
     "/v1/completions": "text_completion",
     "/v1/chat/completions": "chat.completion.chunk",
@@ -143,7 +153,7 @@ class Proxy:
                 raise InvalidRequest("body must be a JSON object")
             session = None
             for k, v in scope["headers"]:
-                if k == b"x-session-id":
+                if k == _H_SESSION:
                     session = v.decode("latin-1")
                     break
             route = self.resolve(req.get("model"), session)
@@ -395,7 +405,7 @@ class Proxy:
         """Relay a whole answer (tagged if it is a 200 JSON body); the status sent."""
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             await send_error(send, StreamInterrupted(_broke_off(exc)))
             return 502
         headers = self._tag_headers(route, replica)
@@ -509,7 +519,7 @@ class Proxy:
                     events, done = events[:i] + tag + events[i:] + held, True
                 if events:
                     await send({"type": "http.response.body", "body": events, "more_body": True})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             broke = _broke_off(exc)
         if not done and failed is None and broke is None:
             # The last event may lack its blank line: the engine's own end or error still count.

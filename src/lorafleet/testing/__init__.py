@@ -1,7 +1,15 @@
-"""Helpers for tests and benchmarks: real PEFT adapters, reference outputs, real servers.
+"""What you would use in your own tests of a lorafleet fleet: real parts, nothing faked.
 
-Used by the tests, the benchmarks and the demo. The adapter and reference-output helpers need the
-``engine`` extra (torch, peft); the server helpers start processes through ``lorafleet.launch``.
+- here: real PEFT adapters (``make_peft_adapter``), the merged model's greedy output to compare an
+  engine against (``merged_greedy``), and real servers on loopback (``start_reference_engine``
+  and its siblings, test defaults over ``lorafleet.launch``), ``wait_until``;
+- ``consistency``: a load generator and a checker that every response's version tag was active;
+- ``netbed``: a shaped network of Linux network namespaces (needs root);
+- ``raycluster``: a local multi-node Ray cluster on 127.0.0.1.
+
+lorafleet's own tests, benchmarks and demo use the same helpers. Test doubles (servers with a
+deliberate fault) are not here: they live with lorafleet's tests (``tests/doubles``). The adapter
+and reference-output helpers need the ``engine`` extra (torch, peft).
 """
 
 from __future__ import annotations
@@ -198,14 +206,8 @@ def start_router(
     health_interval: float | None = None,
     extra: tuple[str, ...] | list[str] = (),
     port: int = 0,
-    resolve_at_forward: float | None = None,
 ) -> Server[RouterSpec]:
-    """``lorafleet router`` over ``agents`` (servers or URLs), ready on /health.
-
-    ``resolve_at_forward``: start ``lorafleet.testing.broken_router`` instead, which forwards to
-    the version active that many seconds after arrival (to prove the consistency checker)."""
-    if resolve_at_forward is not None:
-        extra = ("--resolve-at-forward", str(resolve_at_forward), *extra)
+    """``lorafleet router`` over ``agents`` (servers or URLs), ready on /health."""
     return launcher.start(
         RouterSpec(
             agents=tuple(a if isinstance(a, str) else a.url for a in agents),
@@ -216,7 +218,6 @@ def start_router(
             health_interval=health_interval,
             extra=tuple(extra),
             port=port,
-            module=None if resolve_at_forward is None else "lorafleet.testing.broken_router",
         )
     )
 

@@ -150,7 +150,7 @@ async def _one(
                 raw = await resp.read()
                 docs = [json.loads(raw)] if raw else []
             obs.t_done = time.time()
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         obs.t_done = time.time()
         obs.error = f"{type(exc).__name__}: {exc}"
         return

@@ -1,6 +1,6 @@
 """A shaped network of Linux network namespaces, for tests and benchmarks (needs root).
 
-``NetBed(n)`` builds what ``/work/shared/anchors/netbed.sh`` builds, under a prefix of its own:
+``NetBed(n)`` builds, under a prefix of its own:
 one bridge namespace and, on that bridge, one "trainer" host and ``n`` "replica" hosts, each in
 its own namespace with an ``eth0`` whose egress is shaped by ``tc tbf`` (``rate RATE burst 256kb
 latency 50ms``) and with ``lo`` up. Nothing is added to the caller's own namespace, and traffic
@@ -324,10 +324,6 @@ class NetBed:
         """Bytes ``host`` has sent on its ``eth0`` since the bed was built, as the kernel counts
         them (payload plus one set of headers per, possibly segmentation-offloaded, packet)."""
         return int(self._eth0_stats(host)["tx"]["bytes"])
-
-    def rx_bytes(self, host: Host) -> int:
-        """Bytes ``host`` has received on its ``eth0`` since the bed was built."""
-        return int(self._eth0_stats(host)["rx"]["bytes"])
 
     # -- servers in a host -----------------------------------------------------------------------
     def spawn(self, launcher: Launcher, host: Host, spec: _S) -> Server[_S]:

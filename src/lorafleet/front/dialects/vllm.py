@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from lorafleet.errors import InvalidRequest
 from lorafleet.front.forward import forward_generation, read_object
 from lorafleet.front.service import Front
-from lorafleet.protocol.front import PAUSE_MODES, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lorafleet.protocol.front import PAUSE_MODES, FrontLoadRequest, FrontUnloadRequest
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
 
 __all__ = ["routes"]
@@ -53,7 +53,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         front.paused = False
         return {"status": "resumed"}
 
-    async def load(req: LoadLoRAAdapterRequest) -> Response:
+    async def load(req: FrontLoadRequest) -> Response:
         result = await front.load(req.lora_name, req.lora_path)
         headers = {ADAPTER_HEADER: result.name, VERSION_HEADER: str(result.version)}
         return PlainTextResponse(
@@ -62,7 +62,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
             headers=headers,
         )
 
-    async def unload(req: UnloadLoRAAdapterRequest) -> Response:
+    async def unload(req: FrontUnloadRequest) -> Response:
         done = await front.unload(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
 

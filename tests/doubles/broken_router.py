@@ -2,7 +2,8 @@
 
 It tags and counts each request with the version active when it arrived, but re-reads the alias
 table ``--resolve-at-forward`` seconds later and forwards to whatever is active then. Only the
-tests run it: ``python -m lorafleet.testing.broken_router --resolve-at-forward 0.2 <router args>``.
+tests run it (``start_broken_router``): ``python -m tests.doubles.broken_router
+--resolve-at-forward 0.2 <router args>``.
 """
 
 from __future__ import annotations
@@ -10,14 +11,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+from dataclasses import dataclass
 
 import click
 
+from lorafleet.launch import Launcher, RouterSpec, Server
+from lorafleet.router import app as router_app
 from lorafleet.router import cli as router_cli
 from lorafleet.router.balancer import Replica
 from lorafleet.router.proxy import Proxy, Route
+from tests.doubles import module_argv, spawn_env
 
-__all__ = ["ResolveAtForwardProxy", "command"]
+__all__ = ["BrokenRouterSpec", "ResolveAtForwardProxy", "command", "start_broken_router"]
 
 
 class ResolveAtForwardProxy(Proxy):
@@ -41,8 +46,9 @@ class ResolveAtForwardProxy(Proxy):
 
 
 def _serve(resolve_at_forward: float, **options) -> None:
-    proxy = functools.partial(ResolveAtForwardProxy, delay=resolve_at_forward)
-    router_cli.command.callback(**options, proxy_class=proxy)
+    # The real router, its data plane swapped for the broken one: the runtime has no seam for it.
+    router_app.Proxy = functools.partial(ResolveAtForwardProxy, delay=resolve_at_forward)
+    router_cli.command.callback(**options)
 
 
 command = click.Command(
@@ -54,6 +60,41 @@ command = click.Command(
     callback=_serve,
     help=__doc__,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BrokenRouterSpec(RouterSpec):
+    """``RouterSpec`` run as this module, forwarding ``resolve_at_forward`` s after arrival."""
+
+    resolve_at_forward: float
+    name: str = "broken-router"
+
+    def argv(self, fd: int) -> list[str]:
+        argv = module_argv(__name__, super().argv(fd), "router")
+        return [*argv, "--resolve-at-forward", str(self.resolve_at_forward)]
+
+    def environ(self) -> dict[str, str]:
+        return {**super().environ(), **spawn_env()}
+
+
+def start_broken_router(
+    launcher: Launcher,
+    agents: list[Server],
+    *,
+    token: str,
+    resolve_at_forward: float,
+    health_interval: float | None = None,
+) -> Server[BrokenRouterSpec]:
+    """The broken router over ``agents``, ready on /health."""
+    return launcher.start(
+        BrokenRouterSpec(
+            agents=tuple(a.url for a in agents),
+            token=token,
+            health_interval=health_interval,
+            resolve_at_forward=resolve_at_forward,
+        )
+    )
+
 
 if __name__ == "__main__":
     command()
