@@ -59,6 +59,10 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _as_ids(token_id: int) -> str:
+    return f"token:{token_id}"
+
+
 def router(
     runtime: Runtime, metrics: EngineMetrics, dialect: _sglang.SGLangDialect | None = None
 ) -> APIRouter:
@@ -96,6 +100,9 @@ def router(
     @api.post("/v1/completions", responses=responses(400, 404, ok=_STREAMED))
     async def completions(req: CompletionRequest) -> Any:
         model_name = req.model or served
+        # vLLM's return_tokens_as_token_ids: logprob tokens (and their alternatives) as
+        # "token:<id>", so a client can tell apart tokens whose text is the same.
+        token_text = _as_ids if req.return_tokens_as_token_ids else runtime.token_text
         metrics.requests.labels("/v1/completions", model_name).inc()
         adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
         p = req.prompt
@@ -193,8 +200,9 @@ def router(
                         lp = None
                         if req.logprobs is not None and item.token_id >= 0:
                             lp = bodies.legacy_logprobs(token_text, [item], offset)
-                            offset += len(token_text(item.token_id))
-                        if not item.text and lp is None:
+                            offset += len(runtime.token_text(item.token_id))
+                        # A token whose text is not whole yet still has its id to report.
+                        if not item.text and lp is None and not req.return_token_ids:
                             continue
                         extra = {"token_ids": [item.token_id]} if req.return_token_ids else {}
                         yield chunk(i, item.text, logprobs=lp, **extra)
