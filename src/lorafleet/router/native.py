@@ -34,7 +34,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from lorafleet._service import send_error
-from lorafleet.dialects import model_field
+from lorafleet.engine_kinds import model_field
 from lorafleet.errors import (
     EngineUnavailable,
     InvalidRequest,
