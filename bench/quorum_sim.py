@@ -475,7 +475,8 @@ class Fleet:
 
     def _catchup(self, node: int, t: float) -> None:
         lag = self.behind[node]
-        lag.token += 1
+        self.seq += 1
+        lag.token = self.seq  # unique: a stale attempt of an earlier lag never matches
         lag.fetching = self.active
         c, m = self.c, self.m
         took = self.rng.random() * m.poll_s + self.q_fetch + phase_max1(c, self.rng, 1)
