@@ -23,8 +23,8 @@ def test_every_kind_brings_a_backend_a_rulebook_and_a_launch_spec(kind):
     info = engine_kind(kind)
     backend = make_backend(kind, "http://127.0.0.1:9", max_lora_rank=8, max_adapters=2)
     assert isinstance(backend, EngineBackend) and backend.kind == kind
-    assert rulebook(kind) is info.rules() and info.rules().kind == kind
-    assert issubclass(info.launch_spec(), ServerSpec)
+    assert rulebook(kind) is info.rulebook() and info.rulebook().kind == kind
+    assert issubclass(info.spec_class(), ServerSpec)
 
 
 def test_an_unknown_kind_is_refused_by_name():

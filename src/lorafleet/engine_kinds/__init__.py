@@ -13,6 +13,7 @@ rulebook or launcher import: the router and the publisher stay light.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -39,25 +40,26 @@ EngineKind = Literal["vllm", "sglang", "reference"]
 class EngineOption:
     """An agent flag only one engine kind has (``--sglang-upsert``): a boolean, off by default.
 
-    ``key`` is its name in ``AgentConfig.engine_options`` and in the backend's ``options``.
+    ``key`` is its name in ``AgentConfig.engine_options``; ``param`` the backend's keyword.
     """
 
     key: str
     flag: str
     help: str
+    param: str
 
 
 @dataclass(frozen=True)
 class EngineKindInfo:
-    """One engine kind. ``backend(url, max_lora_rank, max_adapters, options)`` builds the
-    agent's backend; ``rules()`` is its rulebook; ``launch_spec()`` the ``ServerSpec`` class
-    that starts one (it takes ``model=``)."""
+    """One engine kind. ``backend``, ``rules`` and ``launch_spec`` are ``"module:attribute"``
+    references (imported on first use): the agent's backend class, the rulebook, and the
+    ``ServerSpec`` class that starts one (it takes ``model=``)."""
 
     name: str
     title: str
-    backend: Callable[[str, int | None, int | None, Mapping[str, Any]], EngineBackend]
-    rules: Callable[[], Rulebook]
-    launch_spec: Callable[[], type[ServerSpec]]
+    backend: str
+    rules: str
+    launch_spec: str
     adapter_in_model: Callable[[str | None, str], str] = lambda _base, engine_name: engine_name
     """The ``model`` value that makes this engine apply ``engine_name`` (given the base name)."""
     embedded: bool = False
@@ -66,6 +68,33 @@ class EngineKindInfo:
     """An in-place load goes through a link the agent repoints: the engine re-reads a name's
     remembered path after an unload (SGLang)."""
     options: tuple[EngineOption, ...] = field(default=())
+
+    def make_backend(
+        self,
+        url: str,
+        *,
+        max_lora_rank: int | None = None,
+        max_adapters: int | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> EngineBackend:
+        """The agent's backend for an engine of this kind at ``url``."""
+        given = options or {}
+        extra = {o.param: bool(given.get(o.key)) for o in self.options if given.get(o.key)}
+        cls = _resolve(self.backend)
+        return cls(url, max_lora_rank=max_lora_rank, max_adapters=max_adapters, **extra)
+
+    def rulebook(self) -> Rulebook:
+        """The rules an adapter must pass on this kind (``lorafleet.rules``)."""
+        return _resolve(self.rules)
+
+    def spec_class(self) -> type[ServerSpec]:
+        """The ``lorafleet.launch`` spec that starts an engine of this kind."""
+        return _resolve(self.launch_spec)
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _kinds() -> dict[str, EngineKindInfo]:

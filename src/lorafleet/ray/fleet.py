@@ -318,7 +318,7 @@ def deploy(
         ready = [pg.ready() for _, pg in pgs]
         ray.get(ready, timeout=pg_timeout)
         # Engines first (in parallel), then their agents, then the router.
-        spec_cls = engine_kind(engine).launch_spec()
+        spec_cls = engine_kind(engine).spec_class()
         engine_actors = []
         for i, (_, pg) in enumerate(pgs):
             args = dict(engine_args or {})

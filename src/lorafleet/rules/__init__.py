@@ -64,7 +64,7 @@ __all__ = [
     "rulebook",
 ]
 
-SHARED = shared_rulebook([engine_kind(k).rules() for k in ENGINE_KINDS])
+SHARED = shared_rulebook([engine_kind(k).rulebook() for k in ENGINE_KINDS])
 
 
 def rulebook(kind: EngineKind | str | None = None) -> Rulebook:
@@ -74,4 +74,4 @@ def rulebook(kind: EngineKind | str | None = None) -> Rulebook:
     """
     if kind is None:
         return SHARED
-    return engine_kind(kind).rules()
+    return engine_kind(kind).rulebook()

@@ -40,4 +40,6 @@ def make_backend(
 ) -> EngineBackend:
     """The backend for ``kind`` (``lorafleet.engine_kinds``); ``options``: that kind's own
     agent flags by key. Raises ``ValueError`` for an unknown kind."""
-    return engine_kind(kind).backend(url, max_lora_rank, max_adapters, options or {})
+    return engine_kind(kind).make_backend(
+        url, max_lora_rank=max_lora_rank, max_adapters=max_adapters, options=options
+    )
