@@ -225,6 +225,8 @@ class Native:
                 hist, _ = proxy.metrics.children(route.adapter, route.version)
                 hist.observe(time.perf_counter() - t0)
                 proxy.metrics.count(route.adapter, route.version, status)
+                if route.adapter is not None:
+                    proxy.metrics.lag(route.adapter).observe(route.lag)
 
     def _resolve(self, item: GenerateItem, session: str | None) -> Route:
         model = _lora_model(item.lora_path, self.proxy.store.aliases)
