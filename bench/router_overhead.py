@@ -4,7 +4,7 @@ Starts a canned-answer OpenAI backend and a stub agent (so the lorafleet router 
 replica) in this process, then measures ``/v1/completions`` directly, through ``vllm-router`` and
 through ``lorafleet router``, alternating, at each concurrency. The lorafleet router is measured
 twice: base-model routing (bytes passed through) and alias routing (``model=policy`` resolved to
-``policy@v1``, body rewritten, response tagged). Based on /work/shared/anchors/router_overhead.py.
+``policy@v1``, body rewritten, response tagged). Based on the project's router-overhead anchor.
 
     .venv/bin/python bench/router_overhead.py [--n 2000] [--c 1,16,128] [--rounds 2]
 """

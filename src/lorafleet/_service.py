@@ -4,16 +4,16 @@ shape of the OpenAPI documents.
 Service logic raises ``lorafleet.errors.ServiceError`` subclasses; ``error_parts`` turns one into
 status, headers and the protocol's envelope, for FastAPI apps (``install_error_handlers``) and for
 the router's bare-ASGI data plane (``send_error``) alike. ``errors(...)`` documents the statuses a
-route answers, ``token_guard`` the bearer scheme, ``finish_openapi`` what FastAPI documents on its
-own but lorafleet never answers, ``service_app`` the app itself. Nothing here knows a specific
-service.
+route answers (each with its codes, from ``STATUS_BY_CODE``), ``token_guard`` the bearer scheme,
+``finish_openapi`` what FastAPI documents on its own but lorafleet never answers, ``service_app``
+the app itself. Nothing here knows a specific service.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request, Security
@@ -35,15 +35,18 @@ from lorafleet.errors import (
     ServiceError,
     Unauthorized,
 )
-from lorafleet.protocol.errors import ERROR_CODE_HEADER, ErrorResponse, error_body
+from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorResponse, error_body
 
 __all__ = [
     "DEFAULT_JSON_LIMIT",
     "METRICS_RESPONSES",
     "SSE_EVENT_SCHEMA",
+    "STATUS_SUMMARY",
     "JsonBodyLimit",
     "MetricsResponse",
     "check_token",
+    "codes_for",
+    "describe",
     "error_parts",
     "error_response",
     "errors",
@@ -246,27 +249,38 @@ class JsonBodyLimit:
 
 # --- the OpenAPI documents -----------------------------------------------------------------
 
-_WHY: dict[int, str] = {
-    400: "Invalid request: a malformed body, parameter or name (invalid_request, invalid_name, "
-    "file_not_allowed, path_escape)",
-    401: "No credentials: send 'Authorization: Bearer <token>' (unauthorized)",
-    403: "Wrong credentials, or a path outside the allow-list (forbidden, path_not_allowed)",
-    404: "Not found (not_found, upload_not_found, adapter_not_found)",
-    408: "A relayed upload received no byte for its stall limit (transfer_stalled); resume it",
-    409: "Conflicts with the current state (adapter_conflict, version_conflict, "
-    "publish_in_progress, upload_incomplete, offset_mismatch, unknown_replica)",
-    413: "Too large (body_too_large, file_too_large, size_exceeded)",
-    422: "Bytes or adapter differ from what was declared (size_mismatch, digest_mismatch, "
-    "adapter_invalid)",
-    502: "The engine refused or did not apply the adapter (engine_rejected, adapter_not_applied)",
-    503: "The engine or every replica is unavailable; retry later (engine_unavailable, no_replica)",
-    507: "The store cannot take the bytes (quota_exceeded)",
+STATUS_SUMMARY: dict[int, str] = {
+    400: "Invalid request: a malformed body, parameter or name",
+    401: "No credentials: send 'Authorization: Bearer <token>'",
+    403: "Wrong credentials, or a path outside the allow-list",
+    404: "Not found",
+    408: "A relayed upload received no byte for its stall limit; resume it",
+    409: "Conflicts with the current state",
+    413: "Too large",
+    422: "Bytes or adapter differ from what was declared",
+    500: "An unexpected error in the service",
+    502: "The engine refused, did not apply the adapter, or broke off its answer",
+    503: "The engine or every replica is unavailable; retry later",
+    507: "The store cannot take the bytes",
 }
+"""What each status of ``STATUS_BY_CODE`` means, in a phrase; the codes come from the table."""
+
+
+def codes_for(status: int) -> list[str]:
+    """The protocol codes answered with ``status``, in ``STATUS_BY_CODE``'s order."""
+    return [code for code, s in STATUS_BY_CODE.items() if s == status]
+
+
+def describe(status: int, codes: Iterable[str] | None = None) -> str:
+    """A status's documentation: its phrase and its codes (default: every code of ``status``)."""
+    listed = list(codes) if codes is not None else codes_for(status)
+    return f"{STATUS_SUMMARY[status]} ({', '.join(listed)})"
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` for a route: each status it can answer, in the protocol's envelope."""
-    return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
+    """``responses=`` for a route: each status it can answer, in the protocol's envelope, with
+    the codes ``STATUS_BY_CODE`` maps to it."""
+    return {s: {"model": ErrorResponse, "description": describe(s)} for s in statuses}
 
 
 class MetricsResponse(Response):

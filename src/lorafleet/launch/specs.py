@@ -185,7 +185,7 @@ class RouterSpec(SocketServerSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class VLLMSpec(PortServerSpec):
-    """A real vLLM OpenAI server with runtime LoRA (research/vllm-cpu-recipe.md)."""
+    """A real vLLM OpenAI server with runtime LoRA (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
 
     model: Path
     python: Path = Path(sys.executable)

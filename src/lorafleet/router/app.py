@@ -26,6 +26,7 @@ from lorafleet._service import (
     METRICS_RESPONSES,
     JsonBodyLimit,
     MetricsResponse,
+    describe,
     errors,
     finish_openapi,
     install_error_handlers,
@@ -36,7 +37,7 @@ from lorafleet._service import (
 from lorafleet._settings import setting
 from lorafleet.errors import InvalidRequest, NotFound, UnknownReplica, VersionConflict
 from lorafleet.protocol.agent import check_peer_url
-from lorafleet.protocol.errors import ErrorResponse
+from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorResponse
 from lorafleet.protocol.names import AdapterName, LeaseHolder
 from lorafleet.protocol.router import (
     MAX_REPLICA_ID,
@@ -57,7 +58,7 @@ from lorafleet.router import sglang_api
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.health import HealthPoller
 from lorafleet.router.metrics import RouterMetrics
-from lorafleet.router.proxy import Proxy
+from lorafleet.router.proxy import DATA_PLANE_ERRORS, MAX_BODY, Proxy
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
@@ -452,8 +453,9 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
     What they answer: 200 with the engine's body, tagged (JSON, or an SSE stream when
     ``stream`` is true); the engine's own error statuses, relayed with engine-side names
     replaced by the alias; and the router's own refusals in the protocol's envelope (400 bad
-    body or ``invalid_name``, 401/403 the API key, 404 unknown model, 413 body over 32 MiB, 502
-    the engine's answer broke off, 503 no replica).
+    body or ``invalid_name``, 401/403 the API key, 404 unknown model, 409 a version staler than
+    the alias allows, 413 body over 32 MiB, 502 the engine's answer broke off, 503 no replica):
+    ``DATA_PLANE_ERRORS``, each status with its codes.
     """
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
@@ -501,7 +503,11 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             "#/components/schemas/SamplingParams", "#/components/schemas/SGLangSamplingParams"
         )
     )
-    statuses = [400, 404, 413, 502, 503, *((401, 403) if keyed else ())]
+    own: dict[int, list[str]] = {}
+    for cls in DATA_PLANE_ERRORS:
+        status = STATUS_BY_CODE[cls.code]
+        if keyed or status not in (401, 403):
+            own.setdefault(status, []).append(cls.code)
     for path, (summary, props, required) in bodies.items():
         plain = {"type": "object", "properties": props, "required": required}
         ok = streamed_ok(
@@ -509,9 +515,10 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             "or one extra chunk before data: [DONE] in a stream)"
         )
         responses: dict = {"200": ok}
-        for status in sorted(statuses):
+        for status in sorted(own):
+            why = describe(status, own[status]) + _DATA_PLANE_WHY.get(status, "")
             responses[str(status)] = {
-                "description": _DATA_PLANE_WHY[status],
+                "description": why,
                 "content": {
                     "application/json": {"schema": relayed if status in (400, 404) else error}
                 },
@@ -541,15 +548,11 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
 
 
 _DATA_PLANE_WHY = {
-    400: "Not a JSON object, a bad field, or a model name outside the name rule (invalid_name); "
-    "or the engine's own 400, relayed",
-    401: "No API key (unauthorized)",
-    403: "Wrong API key (forbidden)",
-    404: "No adapter or base model by that name (not_found); or the engine's own 404, relayed",
-    413: "Body over 32 MiB (body_too_large)",
-    502: "The engine's answer broke off (stream_interrupted)",
-    503: "No replica serves this version right now (no_replica, engine_unavailable)",
+    400: "; or the engine's own 400, relayed",
+    404: " for the model; or the engine's own 404, relayed",
+    413: f": the body is over {MAX_BODY >> 20} MiB",
 }
+"""What the data plane adds to a status's description (the codes come from DATA_PLANE_ERRORS)."""
 
 
 def create_app(config: RouterConfig) -> RouterApp:

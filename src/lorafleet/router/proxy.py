@@ -33,12 +33,15 @@ from lorafleet.engine_kinds import address, model_field
 from lorafleet.errors import (
     BodyTooLarge,
     EngineUnavailable,
+    Forbidden,
+    InvalidName,
     InvalidRequest,
     NoReplica,
     NotFound,
     ServiceError,
     StaleVersion,
     StreamInterrupted,
+    Unauthorized,
     VersionNotRoutable,
 )
 from lorafleet.protocol.errors import error_body
@@ -58,9 +61,24 @@ from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.native import Native
 from lorafleet.router.table import AliasStore
 
-__all__ = ["MAX_BODY", "Proxy"]
+__all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Proxy"]
 
 MAX_BODY = 32 << 20
+DATA_PLANE_ERRORS: tuple[type[ServiceError], ...] = (
+    InvalidRequest,
+    InvalidName,
+    Unauthorized,
+    Forbidden,
+    NotFound,
+    VersionNotRoutable,
+    StaleVersion,
+    BodyTooLarge,
+    StreamInterrupted,
+    EngineUnavailable,
+    NoReplica,
+)
+"""Every refusal the data plane answers itself: its OpenAPI document is written from this tuple,
+and tests/test_error_docs.py checks that the proxy raises nothing else."""
 _DONE = b"data: [DONE]"
 # The end-of-stream event starts a line; model text inside a JSON payload never contains a raw
 # newline, so "\ndata: [DONE]" cannot be matched inside an event's content.

