@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from lorafleet._service import JsonBodyLimit, install_error_handlers
 from lorafleet.front.dialects import DIALECTS
+from lorafleet.front.dialects.skyrl import UPLOAD_PREFIX
 from lorafleet.front.forward import GENERATION_BODY_LIMIT
 from lorafleet.front.service import Front, FrontConfig
 
@@ -37,7 +38,8 @@ def create_app(cfg: FrontConfig) -> FastAPI:
     app = FastAPI(title=f"lorafleet front ({dialect.name})", lifespan=lifespan)
     app.state.front = front
     install_error_handlers(app)
-    app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT)
+    # Remote-upload PUTs stream raw bytes, capped per file by the upload path itself.
+    app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT, stream_prefix=UPLOAD_PREFIX)
 
     def control(request: Request) -> None:
         client = request.client.host if request.client else None
