@@ -118,8 +118,7 @@ class SkyRLUploads:
         if up.busy:
             self.discard(upload_id)
             raise InvalidRequest(
-                "another file of this LoRA upload is being received; send them one by one",
-                code="upload_busy",
+                "another file of this LoRA upload is being received; send them one by one"
             )
         up.busy += 1
         up.last_active = time.monotonic()
@@ -152,7 +151,10 @@ class SkyRLUploads:
             if isinstance(exc, ServiceError) and exc.status in (413, 422, 409):
                 # SkyRL's statuses: 400 for every byte-level refusal (the code stays precise).
                 raise InvalidRequest(
-                    f"LoRA upload refused: {exc.message}", code=exc.code, param=filename
+                    f"LoRA upload refused: {exc.message}",
+                    code=exc.code,
+                    param=filename,
+                    status=400,
                 ) from exc
             raise
         up.busy -= 1

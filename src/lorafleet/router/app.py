@@ -57,7 +57,9 @@ from lorafleet.router.table import AliasStore
 
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
 
-HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+HOT_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate"}
+)
 
 log = logging.getLogger("lorafleet.router")
 
@@ -465,6 +467,16 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             },
             ["token_ids"],
         ),
+        "/inference/v1/generate": (
+            "vLLM's native token-in token-out generation, on every engine kind (vLLM's answer "
+            "shape): {model, token_ids, sampling_params}",
+            {
+                "model": model,
+                "token_ids": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                "sampling_params": {"type": "object"},
+            },
+            ["token_ids", "sampling_params"],
+        ),
     }
     statuses = [400, 404, 413, 502, 503, *((401, 403) if keyed else ())]
     for path, (summary, props, required) in bodies.items():
@@ -472,7 +484,7 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             "The engine's answer, tagged with the version (a lorafleet field in the JSON body, "
             "or one extra chunk before data: [DONE] in a stream)"
         )
-        if path == "/generate":  # token ids in, one JSON answer out: never a stream
+        if path in ("/generate", "/inference/v1/generate"):  # one JSON answer: never a stream
             del ok["content"]["text/event-stream"]
         responses: dict = {"200": ok}
         for status in sorted(statuses):

@@ -31,6 +31,7 @@ from lorafleet._service import check_token, send_error
 from lorafleet.dialects import address, model_field
 from lorafleet.errors import (
     BodyTooLarge,
+    EngineRejected,
     EngineUnavailable,
     InvalidRequest,
     NoReplica,
@@ -43,6 +44,7 @@ from lorafleet.errors import (
 from lorafleet.protocol.errors import error_body
 from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import TAG_FIELD, AliasEntry, RoutableVersion
+from lorafleet.router import inference_generate as native
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.table import AliasStore
@@ -149,6 +151,8 @@ class Proxy:
             route = self.resolve(req.get("model"), session)
             if path == "/generate":
                 fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
+            elif path == native.INFERENCE_GENERATE:
+                fwd, fwd_path = native.check_request(req), path  # a copy: never the raw bytes
             else:
                 fwd, fwd_path = req, path
             cands = self.balancer.candidates(route.replicas, route.base_model)
@@ -341,15 +345,17 @@ class Proxy:
                 break
             replica.inflight += 1
             sent_model = model_field(replica.kind, replica.base_model, route.engine_name)
+            rpath, rreq, translated = self._native_request(path, req, replica)
             if raw is not None:
                 data = raw
             else:
-                data = json.dumps(address(req, replica.kind, replica.base_model, route.engine_name))
-                data = data.encode()
+                data = json.dumps(
+                    address(rreq, replica.kind, replica.base_model, route.engine_name)
+                ).encode()
             placed_at = replica.agent_url
             try:
                 try:
-                    resp = await self._send(replica, path, data)
+                    resp = await self._send(replica, rpath, data)
                 except _Unreachable as exc:
                     # Refused means nothing listens: out of rotation at once. A timeout or a
                     # reset counts as one failure; a run of them takes the replica out. Not
@@ -367,7 +373,9 @@ class Proxy:
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
                         await self._stream(send, route, replica, resp, scope["path"], sent_model)
                         return resp.status
-                    return await self._whole(send, route, replica, resp, generate, sent_model)
+                    return await self._whole(
+                        send, route, replica, resp, generate, sent_model, translated=translated
+                    )
                 except BaseException:
                     resp.close()  # never return a half-read connection to the pool
                     raise
@@ -391,8 +399,11 @@ class Proxy:
         resp: aiohttp.ClientResponse,
         generate: bool,
         sent_model: str | None,
+        *,
+        translated: bool = False,
     ) -> int:
-        """Relay a whole answer (tagged if it is a 200 JSON body); the status sent."""
+        """Relay a whole answer (tagged if it is a 200 JSON body); the status sent.
+        ``translated``: a completions answer to rebuild as ``/inference/v1/generate``'s."""
         try:
             body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -407,6 +418,12 @@ class Proxy:
         if resp.status == 200 and ctype.startswith("application/json"):
             if generate:
                 body = self._generate_answer(body, route)
+            if translated:
+                try:
+                    body = native.from_completion(body)
+                except ValueError as exc:
+                    await send_error(send, EngineRejected(f"{replica.replica_id}: {exc}"))
+                    return 502
             m = _MODEL_RE.search(body)
             engine_model = m.group(1) if m else None
             if m and rename and engine_model == _esc(sent_model):
@@ -434,6 +451,14 @@ class Proxy:
         # Any other versioned engine name loses its version; the client's own (a pinned
         # ``policy@v3``) stays as the client wrote it.
         return _ENGINE_NAME_RE.sub(lambda m: m[0] if m[0] == alias else m[1], body)
+
+    @staticmethod
+    def _native_request(path: str, req: dict, replica: Replica) -> tuple[str, dict, bool]:
+        """Where and what to send one replica: ``/inference/v1/generate`` as is on vLLM, as a
+        token-id completion elsewhere (``inference_generate``); other paths unchanged."""
+        if path == native.INFERENCE_GENERATE and native.translated(replica.kind):
+            return "/v1/completions", native.as_completion(req), True
+        return path, req, False
 
     @staticmethod
     def _generate_answer(body: bytes, route: Route) -> bytes:
