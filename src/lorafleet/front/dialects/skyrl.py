@@ -16,14 +16,15 @@ takes precedence over the vLLM group's route of the same path (``/v1/unload_lora
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as FastAPIPath
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from lorafleet._service import errors
 from lorafleet.errors import Forbidden, InvalidRequest
 from lorafleet.front.forward import forward_generation, read_object
 from lorafleet.front.service import Front
@@ -36,6 +37,7 @@ from lorafleet.protocol.skyrl import (
     ResetPrefixCacheRequest,
     SkyRLLoadRequest,
     SkyRLLoadResponse,
+    UploadedFile,
     parse_upload_id,
     parse_upload_sha256,
     parse_upload_size,
@@ -76,12 +78,49 @@ def _model(model: type, body: dict):
         raise InvalidRequest(f"{where + ': ' if where else ''}{msg}", param=where or None) from None
 
 
+def _doc(
+    body: type[BaseModel] | dict | None, *statuses: int, headers: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``responses`` and ``openapi_extra`` for a route that reads its body itself: the body's
+    schema (a model's, or a raw one), the headers it requires, and every error status."""
+    extra: dict[str, Any] = {}
+    if body is not None:
+        schema = body if isinstance(body, dict) else body.model_json_schema()
+        ctype = (
+            "application/octet-stream" if schema.get("format") == "binary" else ("application/json")
+        )
+        extra["requestBody"] = {"required": True, "content": {ctype: {"schema": schema}}}
+    if headers:
+        extra["parameters"] = [
+            {"name": h, "in": "header", "required": True, "schema": {"type": "string"}}
+            for h in headers
+        ]
+    return {"responses": errors(*statuses), "openapi_extra": extra}
+
+
+_CONTROL = (400, 401, 403)
+_TOKEN_IN = {
+    "type": "object",
+    "required": ["token_ids", "sampling_params"],
+    "properties": {
+        "model": {"type": "string"},
+        "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        "sampling_params": {"type": "object"},
+    },
+}
+
+
 def routes(front: Front, control: Depends) -> APIRouter:
     """SkyRL's LoRA control, remote upload, token-in generation and helper routes over ``front``."""
     r = APIRouter()
     ctl = [control]
 
-    @r.post("/skyrl/v1/load_lora_adapter", dependencies=ctl)
+    @r.post(
+        "/skyrl/v1/load_lora_adapter",
+        dependencies=ctl,
+        response_model=SkyRLLoadResponse,
+        **_doc(SkyRLLoadRequest, *_CONTROL, 409, 422, 502, 503),
+    )
     async def load(request: Request) -> Response:
         req: SkyRLLoadRequest = _model(SkyRLLoadRequest, await read_object(request))
         if req.in_memory:
@@ -103,7 +142,17 @@ def routes(front: Front, control: Depends) -> APIRouter:
         headers = {ADAPTER_HEADER: result.name, VERSION_HEADER: str(result.version)}
         return JSONResponse(body.model_dump(), headers=headers)
 
-    @r.put(UPLOAD_PREFIX + "{upload_id}/{filename}", dependencies=ctl)
+    @r.put(
+        UPLOAD_PREFIX + "{upload_id}/{filename}",
+        dependencies=ctl,
+        response_model=UploadedFile,
+        **_doc(
+            {"type": "string", "format": "binary"},
+            *_CONTROL,
+            413,
+            headers=(UPLOAD_SHA256_HEADER, UPLOAD_SIZE_HEADER),
+        ),
+    )
     async def upload(upload_id: UploadId, filename: FileName, request: Request) -> dict:
         uid = _upload_id(upload_id)
         if front.uploads is None:
@@ -120,7 +169,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         done = await front.uploads.put(uid, filename, size, sha, request.stream())
         return done.model_dump()
 
-    @r.delete(UPLOAD_PREFIX + "{upload_id}", dependencies=ctl)
+    @r.delete(UPLOAD_PREFIX + "{upload_id}", dependencies=ctl, **_doc(None, *_CONTROL))
     async def discard(upload_id: UploadId) -> dict:
         uid = _upload_id(upload_id)
         if front.uploads is not None:
@@ -133,9 +182,14 @@ def routes(front: Front, control: Depends) -> APIRouter:
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
 
     for path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
-        r.post(path, dependencies=ctl)(unload)
+        r.post(
+            path,
+            dependencies=ctl,
+            response_class=PlainTextResponse,
+            **_doc(UnloadLoRAAdapterRequest, *_CONTROL, 404, 409, 503),
+        )(unload)
 
-    @r.post("/reset_prefix_cache", dependencies=ctl)
+    @r.post("/reset_prefix_cache", dependencies=ctl, **_doc(None, *_CONTROL, 503))
     async def reset_prefix_cache(request: Request) -> dict:
         raw = await request.body()
         req = ResetPrefixCacheRequest()
@@ -146,7 +200,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         outcomes = await front.reset_prefix_caches(running)
         return {"success": True, "lorafleet": {"engines": outcomes}}
 
-    @r.post("/collective_rpc", dependencies=ctl)
+    @r.post("/collective_rpc", dependencies=ctl, **_doc(CollectiveRpcRequest, *_CONTROL))
     async def collective_rpc(request: Request) -> dict:
         req: CollectiveRpcRequest = _model(CollectiveRpcRequest, await read_object(request))
         if req.method == DISCARD_IN_MEMORY:
@@ -158,11 +212,11 @@ def routes(front: Front, control: Depends) -> APIRouter:
             param="method",
         )
 
-    @r.post("/inference/v1/generate")
+    @r.post("/inference/v1/generate", **_doc(_TOKEN_IN, 400, 404, 409, 413, 502, 503))
     async def generate(request: Request) -> Response:
         return await forward_generation(front, request, await read_object(request))
 
-    @r.post("/skyrl/v1/generate")
+    @r.post("/skyrl/v1/generate", **_doc(_TOKEN_IN, 400, 413))
     async def skyrl_generate(request: Request) -> Response:
         await read_object(request)
         raise InvalidRequest(
@@ -184,15 +238,21 @@ def routes(front: Front, control: Depends) -> APIRouter:
         ctype = resp.headers.get("content-type", "application/json")
         return Response(resp.content, status_code=resp.status_code, media_type=ctype)
 
-    @r.post("/tokenize")
+    _TOKENIZE = {"type": "object", "properties": {"prompt": {"type": "string"}}}
+    _DETOKENIZE = {
+        "type": "object",
+        "properties": {"tokens": {"type": "array", "items": {"type": "integer"}}},
+    }
+
+    @r.post("/tokenize", **_doc(_TOKENIZE, 400, 413, 503))
     async def tokenize(request: Request) -> Response:
         return await engine_call(request, "/tokenize")
 
-    @r.post("/detokenize")
+    @r.post("/detokenize", **_doc(_DETOKENIZE, 400, 413, 503))
     async def detokenize(request: Request) -> Response:
         return await engine_call(request, "/detokenize")
 
-    @r.post("/finish_session")
+    @r.post("/finish_session", **_doc(None, 400, 503))
     async def finish_session(
         session_id: Annotated[str | None, Query(max_length=512)] = None,
     ) -> dict:
