@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from lorafleet._service import JsonBodyLimit, install_error_handlers
 from lorafleet.front.dialects import DIALECTS
@@ -46,9 +46,19 @@ def create_app(cfg: FrontConfig) -> FastAPI:
         front.check_control(request.headers.get("authorization"), client)
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health() -> dict:
+        return {"status": "ok"}
 
+    # Where two groups of a dialect answer the same path and method, the first one's route is
+    # the only one, served and documented (the SkyRL dialect's unload over the vLLM one's).
+    taken: set[tuple[str, str]] = set()
     for group in dialect.groups:
-        app.include_router(group(front, Depends(control)))
+        router = group(front, Depends(control))
+        router.routes = [
+            r
+            for r in router.routes
+            if not (isinstance(r, APIRoute) and {(r.path, m) for m in r.methods} & taken)
+        ]
+        taken |= {(r.path, m) for r in router.routes if isinstance(r, APIRoute) for m in r.methods}
+        app.include_router(router)
     return app

@@ -16,16 +16,16 @@ takes precedence over the vLLM group's route of the same path (``/v1/unload_lora
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as FastAPIPath
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from lorafleet._service import errors
 from lorafleet.errors import Forbidden, InvalidRequest
+from lorafleet.front.dialects._openapi import route_doc
 from lorafleet.front.forward import forward_generation, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import UnloadLoRAAdapterRequest
@@ -78,26 +78,6 @@ def _model(model: type, body: dict):
         raise InvalidRequest(f"{where + ': ' if where else ''}{msg}", param=where or None) from None
 
 
-def _doc(
-    body: type[BaseModel] | dict | None, *statuses: int, headers: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """``responses`` and ``openapi_extra`` for a route that reads its body itself: the body's
-    schema (a model's, or a raw one), the headers it requires, and every error status."""
-    extra: dict[str, Any] = {}
-    if body is not None:
-        schema = body if isinstance(body, dict) else body.model_json_schema()
-        ctype = (
-            "application/octet-stream" if schema.get("format") == "binary" else ("application/json")
-        )
-        extra["requestBody"] = {"required": True, "content": {ctype: {"schema": schema}}}
-    if headers:
-        extra["parameters"] = [
-            {"name": h, "in": "header", "required": True, "schema": {"type": "string"}}
-            for h in headers
-        ]
-    return {"responses": errors(*statuses), "openapi_extra": extra}
-
-
 _CONTROL = (400, 401, 403)
 _TOKEN_IN = {
     "type": "object",
@@ -119,7 +99,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         "/skyrl/v1/load_lora_adapter",
         dependencies=ctl,
         response_model=SkyRLLoadResponse,
-        **_doc(SkyRLLoadRequest, *_CONTROL, 409, 422, 502, 503),
+        **route_doc(SkyRLLoadRequest, *_CONTROL, 409, 422, 502, 503),
     )
     async def load(request: Request) -> Response:
         req: SkyRLLoadRequest = _model(SkyRLLoadRequest, await read_object(request))
@@ -146,7 +126,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         UPLOAD_PREFIX + "{upload_id}/{filename}",
         dependencies=ctl,
         response_model=UploadedFile,
-        **_doc(
+        **route_doc(
             {"type": "string", "format": "binary"},
             *_CONTROL,
             413,
@@ -169,7 +149,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         done = await front.uploads.put(uid, filename, size, sha, request.stream())
         return done.model_dump()
 
-    @r.delete(UPLOAD_PREFIX + "{upload_id}", dependencies=ctl, **_doc(None, *_CONTROL))
+    @r.delete(UPLOAD_PREFIX + "{upload_id}", dependencies=ctl, **route_doc(None, *_CONTROL))
     async def discard(upload_id: UploadId) -> dict:
         uid = _upload_id(upload_id)
         if front.uploads is not None:
@@ -185,11 +165,10 @@ def routes(front: Front, control: Depends) -> APIRouter:
         r.post(
             path,
             dependencies=ctl,
-            response_class=PlainTextResponse,
-            **_doc(UnloadLoRAAdapterRequest, *_CONTROL, 404, 409, 503),
+            **route_doc(UnloadLoRAAdapterRequest, *_CONTROL, 404, 409, 503, text_ok=True),
         )(unload)
 
-    @r.post("/reset_prefix_cache", dependencies=ctl, **_doc(None, *_CONTROL, 503))
+    @r.post("/reset_prefix_cache", dependencies=ctl, **route_doc(None, *_CONTROL, 503))
     async def reset_prefix_cache(request: Request) -> dict:
         raw = await request.body()
         req = ResetPrefixCacheRequest()
@@ -200,7 +179,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         outcomes = await front.reset_prefix_caches(running)
         return {"success": True, "lorafleet": {"engines": outcomes}}
 
-    @r.post("/collective_rpc", dependencies=ctl, **_doc(CollectiveRpcRequest, *_CONTROL))
+    @r.post("/collective_rpc", dependencies=ctl, **route_doc(CollectiveRpcRequest, *_CONTROL))
     async def collective_rpc(request: Request) -> dict:
         req: CollectiveRpcRequest = _model(CollectiveRpcRequest, await read_object(request))
         if req.method == DISCARD_IN_MEMORY:
@@ -212,11 +191,14 @@ def routes(front: Front, control: Depends) -> APIRouter:
             param="method",
         )
 
-    @r.post("/inference/v1/generate", **_doc(_TOKEN_IN, 400, 404, 409, 413, 502, 503))
+    @r.post(
+        "/inference/v1/generate",
+        **route_doc(_TOKEN_IN, 413, 409, 502, 503, relayed=(400, 403, 404)),
+    )
     async def generate(request: Request) -> Response:
         return await forward_generation(front, request, await read_object(request))
 
-    @r.post("/skyrl/v1/generate", **_doc(_TOKEN_IN, 400, 413))
+    @r.post("/skyrl/v1/generate", **route_doc(_TOKEN_IN, 400, 413))
     async def skyrl_generate(request: Request) -> Response:
         await read_object(request)
         raise InvalidRequest(
@@ -244,15 +226,15 @@ def routes(front: Front, control: Depends) -> APIRouter:
         "properties": {"tokens": {"type": "array", "items": {"type": "integer"}}},
     }
 
-    @r.post("/tokenize", **_doc(_TOKENIZE, 400, 413, 503))
+    @r.post("/tokenize", **route_doc(_TOKENIZE, 413, 503, relayed=(400, 404)))
     async def tokenize(request: Request) -> Response:
         return await engine_call(request, "/tokenize")
 
-    @r.post("/detokenize", **_doc(_DETOKENIZE, 400, 413, 503))
+    @r.post("/detokenize", **route_doc(_DETOKENIZE, 413, 503, relayed=(400, 404)))
     async def detokenize(request: Request) -> Response:
         return await engine_call(request, "/detokenize")
 
-    @r.post("/finish_session", **_doc(None, 400, 503))
+    @r.post("/finish_session", **route_doc(None, 400, 503))
     async def finish_session(
         session_id: Annotated[str | None, Query(max_length=512)] = None,
     ) -> dict:
