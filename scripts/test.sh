@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: venv, dependencies, tiny model, the real-vLLM and
 # real-SGLang tiers, lint, then pytest. Extra arguments go to pytest (e.g. scripts/test.sh
-# tests/bundle -x). LORAFLEET_SKIP_VLLM=1 / LORAFLEET_SKIP_SGLANG=1 skip a tier and its install.
+# tests/bundle -x). LORAFLEET_SKIP_VLLM=1 / LORAFLEET_SKIP_SGLANG=1 / LORAFLEET_SKIP_SKYRL=1 skip a
+# tier and its install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -13,6 +14,11 @@ if [ "${LORAFLEET_SKIP_SGLANG:-0}" != "1" ]; then
   # sglang 0.5.23 on CPU, cached; ~3.5 CPU-minutes the first time (docs/engines/sglang.md).
   LORAFLEET_SGLANG_VENV="$(scripts/setup-sglang.sh | tail -n 1)"
   export LORAFLEET_SGLANG_VENV
+fi
+if [ "${LORAFLEET_SKIP_SKYRL:-0}" != "1" ]; then
+  # SkyRL 0.4.0's client in its own Python 3.12 venv, cached (tests/front/test_skyrl*.py).
+  LORAFLEET_SKYRL_VENV="$(scripts/setup-skyrl.sh | tail -n 1)"
+  export LORAFLEET_SKYRL_VENV
 fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples

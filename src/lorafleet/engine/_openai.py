@@ -94,8 +94,37 @@ def router(
             "adapters": {a.name: a.path for a in runtime.adapters.values()},
         }
 
+    async def tokenize(body: dict[str, Any]) -> dict:
+        """vLLM's ``/tokenize`` for a text prompt (SkyRL calls it without a local tokenizer)."""
+        metrics.requests.labels("/tokenize", str(body.get("model") or "")).inc()
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise EngineError.bad_request("prompt must be a string", param="prompt")
+        special = body.get("add_special_tokens", True) is True
+        ids = runtime.encode(prompt, add_special_tokens=special)
+        return {
+            "count": len(ids),
+            "max_model_len": runtime.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+
+    async def detokenize(body: dict[str, Any]) -> dict:
+        """vLLM's ``/detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
+        metrics.requests.labels("/detokenize", str(body.get("model") or "")).inc()
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise EngineError.bad_request("tokens must be a list of token ids", param="tokens")
+        if ids:
+            check_ids(runtime, ids)
+        return {"prompt": runtime.tokenizer.decode(ids)}
+
     if dialect is None:
         api.add_api_route("/v1/engine_info", engine_info, methods=["GET"])
+        api.add_api_route("/tokenize", tokenize, methods=["POST"], responses=responses(400))
+        api.add_api_route("/detokenize", detokenize, methods=["POST"], responses=responses(400))
 
     @api.post("/v1/completions", responses=responses(400, 404, ok=_STREAMED))
     async def completions(req: CompletionRequest) -> Any:

@@ -10,10 +10,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from lorafleet._service import JsonBodyLimit, install_error_handlers, service_app
 from lorafleet.front.dialects import DIALECTS
+from lorafleet.front.dialects.skyrl import UPLOAD_PREFIX
 from lorafleet.front.forward import GENERATION_BODY_LIMIT
 from lorafleet.front.service import Front, FrontConfig
 
@@ -37,16 +38,27 @@ def create_app(cfg: FrontConfig) -> FastAPI:
     app = service_app(f"lorafleet front ({dialect.name})", lifespan=lifespan)
     app.state.front = front
     install_error_handlers(app)
-    app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT)
+    # Remote-upload PUTs stream raw bytes, capped per file by the upload path itself.
+    app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT, stream_prefix=UPLOAD_PREFIX)
 
     def control(request: Request) -> None:
         client = request.client.host if request.client else None
         front.check_control(request.headers.get("authorization"), client)
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health() -> dict:
+        return {"status": "ok"}
 
+    # Where two groups of a dialect answer the same path and method, the first one's route is
+    # the only one, served and documented (the SkyRL dialect's unload over the vLLM one's).
+    taken: set[tuple[str, str]] = set()
     for group in dialect.groups:
-        app.include_router(group(front, Depends(control)))
+        router = group(front, Depends(control))
+        router.routes = [
+            r
+            for r in router.routes
+            if not (isinstance(r, APIRoute) and {(r.path, m) for m in r.methods} & taken)
+        ]
+        taken |= {(r.path, m) for r in router.routes if isinstance(r, APIRoute) for m in r.methods}
+        app.include_router(router)
     return app

@@ -85,6 +85,33 @@ def _dialect_names() -> list[str]:
     show_default=True,
     help="Which server's API to speak (lorafleet.front.dialects).",
 )
+@click.option(
+    "--upload-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Stage remote uploads here (the skyrl dialect's PUT /skyrl/v1/lora-adapters/...); its "
+    "skyrl-uploads/ subdirectory is the front's and is emptied at start. Default: uploads off.",
+)
+@click.option(
+    "--upload-max-file-bytes",
+    type=click.IntRange(min=1),
+    default=128 << 30,
+    show_default=True,
+    help="Per-file cap of a remote upload (a larger declared size is a 413).",
+)
+@click.option(
+    "--upload-quota-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="All staged uploads together (default: the free disk).",
+)
+@click.option(
+    "--upload-ttl",
+    type=click.FloatRange(min=0.1),
+    default=600.0,
+    show_default=True,
+    help="Seconds an upload may sit idle (no PUT, no load) before it is reaped.",
+)
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     agents: str,
@@ -102,6 +129,10 @@ def command(
     keep_versions: int,
     dtype: str | None,
     dialect: str,
+    upload_dir: str | None,
+    upload_max_file_bytes: int,
+    upload_quota_bytes: int | None,
+    upload_ttl: float,
     log_level: str,
 ) -> None:
     """Speak one vLLM server's API (TRL, prime-rl) over a fleet: loads become publications."""
@@ -109,6 +140,7 @@ def command(
 
     from lorafleet.front.app import create_app
     from lorafleet.front.service import FrontConfig, parse_networks
+    from lorafleet.front.uploads import UploadDirLimits
     from lorafleet.launch.listen import listen_address, serve
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
@@ -135,6 +167,12 @@ def command(
             keep_versions=keep_versions,
             dtype=dtype,
             dialect=dialect,
+            upload_dir=Path(upload_dir) if upload_dir else None,
+            upload_limits=UploadDirLimits(
+                max_file_bytes=upload_max_file_bytes,
+                quota_bytes=upload_quota_bytes,
+                ttl_s=upload_ttl,
+            ),
         )
         app = create_app(cfg)
     except ValueError as exc:

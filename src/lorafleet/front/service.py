@@ -36,6 +36,7 @@ from lorafleet.errors import (
     TransportError,
 )
 from lorafleet.front.names import DEFAULT_PATTERN, NameMap, TrainerName
+from lorafleet.front.uploads import SkyRLUploads, UploadDirLimits
 from lorafleet.protocol.agent import AgentInfo
 from lorafleet.protocol.router import AliasEntry
 from lorafleet.publisher import AsyncPublisher, PublishResult
@@ -74,6 +75,12 @@ class FrontConfig:
     publish_timeout_s: float = 1800.0
     dialect: str = "vllm"
     """Which server's API the front speaks: a name in ``lorafleet.front.dialects.DIALECTS``."""
+    upload_dir: Path | None = None
+    """Where remote uploads (the SkyRL dialect's PUTs) are staged; None: remote upload is off."""
+    upload_limits: UploadDirLimits = field(default_factory=UploadDirLimits)
+    drain_timeout_s: float = 30.0
+    """Retiring a name: how long its versions may take to finish their requests before they are
+    released (a version still busy then stays loaded until the name is published again)."""
 
 
 class Front:
@@ -110,8 +117,13 @@ class Front:
         self._aliases_at = 0.0
         self._base: dict[str, Any] | None = None
         self._infos: list[AgentInfo] | None = None
+        self.uploads = (
+            SkyRLUploads(cfg.upload_dir, cfg.upload_limits) if cfg.upload_dir is not None else None
+        )
 
     async def aclose(self) -> None:
+        if self.uploads is not None:
+            await self.uploads.aclose()
         await self.publisher.aclose()
         await self.http.aclose()
 
@@ -290,13 +302,40 @@ class Front:
         ``EngineUnavailable``.
         """
         path = self._check_path(lora_path)
+        return await self._publish(lora_name, path, "shared_filesystem", shown=lora_path)
+
+    async def load_upload(self, lora_name: str, upload_id: str) -> PublishResult:
+        """Publish a remote upload (``lorafleet.front.uploads``) to every replica, then discard it.
+
+        The bytes go out once, from here, and are relayed agent to agent (each copy verified).
+        Raises ``Forbidden`` when remote upload is off, ``InvalidRequest`` "LoRA upload is
+        incomplete." and everything ``load`` raises.
+        """
+        if self.uploads is None:
+            raise Forbidden(
+                "remote upload is off on this front: start it with --upload-dir, or load by a "
+                "lora_path under its --shared-dir"
+            )
+        transfer = "relay" if len(self.cfg.agents) > 1 else "remote_upload"
+        try:
+            with self.uploads.claimed(upload_id) as path:
+                return await self._publish(
+                    lora_name, path, transfer, shown=f"upload {upload_id}", record=False
+                )
+        finally:
+            # SkyRL's server removes the staged files after a load; its client DELETEs anyway.
+            self.uploads.discard(upload_id)
+
+    async def _publish(
+        self, lora_name: str, path: Path, transfer: str, *, shown: str, record: bool = True
+    ) -> PublishResult:
         tn = self.names.parse(lora_name)
         try:
             result = await self.publisher.apublish(
                 path,
                 name=tn.name,
                 version=tn.version,
-                transfer="shared_filesystem",
+                transfer=transfer,
                 mode="atomic",
                 keep_versions=self.cfg.keep_versions,
             )
@@ -308,13 +347,14 @@ class Front:
             ) from exc
         except BundleError as exc:
             raise InvalidRequest(
-                f"cannot read the adapter at {lora_path!r}: {exc}", param="lora_path"
+                f"cannot read the adapter at {shown!r}: {exc}", param="lora_path"
             ) from exc
         except TransportError as exc:
             raise EngineUnavailable(f"publishing {lora_name!r}: {exc}") from exc
         except (ValueError, OSError) as exc:
             raise InvalidRequest(f"cannot publish {lora_name!r}: {exc}", param="lora_path") from exc
-        self.loaded[(tn.name, result.version)] = (lora_name, str(path))
+        self.loaded[(tn.name, result.version)] = (lora_name, str(path) if record else shown)
+        self.retired = {k for k in self.retired if k[0] != tn.name or k[1] != result.version}
         self._aliases_at = 0.0
         return result
 
@@ -352,6 +392,146 @@ class Front:
             )
         self.retired.add((tn.name, tn.version))
         return f"{lora_name!r} is no longer served; replicas release it when it leaves the window"
+
+    async def retire_name(self, name: str) -> str:
+        """Retire ``name`` whole (every version): the router refuses it at once (404, as vLLM
+        refuses an unloaded adapter); each version is released on every replica once its
+        requests finished (``drain_timeout_s``). Returns what was done, in words.
+
+        Raises ``AdapterNotFound`` for a name that is not published, ``PublishInProgress``
+        while a publication of it runs, ``EngineUnavailable`` when the router does not answer.
+        """
+        tn = self.names.parse(name)
+        if tn.version is not None and tn.name in await self.aliases(0.0):
+            return await self.unload(name)  # a versioned name retires that version only
+        entry = (await self.aliases(0.0)).get(name)
+        if entry is None:
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+        holder = self.publisher.holder
+        with _unavailable(self.router_url):
+            # The publisher's own lease: no publication of the name (here or elsewhere) can flip
+            # it while it goes away.
+            await self.router.acquire_lease(name, holder, ttl_s=self.cfg.drain_timeout_s + 60)
+            try:
+                await self.router.delete_alias(name, lease_holder=holder)
+            finally:
+                with contextlib.suppress(ServiceError, TransportError, httpx.HTTPError):
+                    await self.router.release_lease(name, holder)
+        self._aliases_at = 0.0
+        versions = [v.version for v in entry.window()]
+        drained: list[int] = []
+        busy: list[int] = []
+        for v in versions:
+            try:
+                with _unavailable(self.router_url):
+                    d = await self.router.drain(name, v, self.cfg.drain_timeout_s)
+            except ServiceError:
+                busy.append(v)
+                continue
+            (drained if d.drained else busy).append(v)
+        problems = await self._release(name, set(drained))
+        for key in [k for k in self.loaded if k[0] == name]:
+            del self.loaded[key]
+        self.retired = {k for k in self.retired if k[0] != name}
+        words = f"{name!r} is retired: no longer served"
+        if drained:
+            words += f"; v{', v'.join(map(str, drained))} released"
+        if busy:
+            words += (
+                f"; v{', v'.join(map(str, busy))} still had requests after "
+                f"{self.cfg.drain_timeout_s:g} s and stay loaded until {name!r} is published again"
+            )
+        if problems:
+            words += f"; {'; '.join(problems)}"
+        return words
+
+    async def _release(self, name: str, versions: set[int]) -> list[str]:
+        """Unload ``versions`` of ``name`` on every agent that holds them; the problems."""
+        problems: list[str] = []
+
+        async def one(url: str) -> None:
+            agent = AsyncAgentClient(url, self.cfg.fleet_token, client=self.http)
+            try:
+                held = [
+                    r.version
+                    for r in await agent.list_adapters()
+                    if r.name == name and r.version in versions
+                ]
+                for v in held:
+                    await agent.unload(name, v)
+            except (ServiceError, TransportError, httpx.HTTPError) as exc:
+                problems.append(f"{url}: {exc} (its agent releases it when it can)")
+
+        await asyncio.gather(*(one(u) for u in self.cfg.agents))
+        return problems
+
+    # -- engines ----------------------------------------------------------------------------------
+    async def reset_prefix_caches(self, reset_running_requests: bool) -> list[dict[str, Any]]:
+        """Reset the prefix cache of every engine that has one; one outcome per replica.
+
+        vLLM: ``POST /reset_prefix_cache`` (a development route: it exists only with
+        ``VLLM_SERVER_DEV_MODE=1``); SGLang: ``POST /flush_cache``; the reference engine keeps no
+        cache. Never raises for one engine: a reset is an optimisation here, since every
+        lorafleet version is a distinct adapter to the engine and a cached prefix of one version
+        is never reused for another.
+        """
+        infos = await self.agent_infos()
+
+        async def one(info: AgentInfo) -> dict[str, Any]:
+            kind = info.capabilities.kind
+            out: dict[str, Any] = {"replica": info.replica_id, "kind": kind}
+            base = info.engine_url.rstrip("/")
+            if kind == "reference":
+                return {**out, "result": "no_prefix_cache"}
+            if kind == "vllm":
+                url, params = (
+                    base + "/reset_prefix_cache",
+                    {"reset_running_requests": str(reset_running_requests).lower()},
+                )
+            else:
+                url, params = base + "/flush_cache", {}
+            try:
+                r = await self.http.post(url, params=params, timeout=30.0)
+            except httpx.HTTPError as exc:
+                return {**out, "result": "unreachable", "detail": str(exc)}
+            if r.status_code == 404 and kind == "vllm":
+                return {**out, "result": "not_exposed", "detail": "start vLLM with "
+                        "VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache"}  # fmt: skip
+            if r.status_code != 200:
+                return {**out, "result": "refused", "detail": r.text[:500]}
+            return {**out, "result": "reset"}
+
+        return list(await asyncio.gather(*(one(i) for i in infos)))
+
+    async def engine_post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST ``body`` (``model`` set to the base model's name) to the first engine that
+        answers: for LoRA-agnostic calls (``/tokenize``, ``/detokenize``). Raises
+        ``EngineUnavailable`` when none answers."""
+        infos = await self.agent_infos()
+        base = await self.base_model()
+        body = {**body, "model": base["id"]}
+        last = ""
+        for info in infos:
+            url = info.engine_url.rstrip("/") + path
+            try:
+                return await self.http.post(url, json=body, timeout=60.0)
+            except httpx.HTTPError as exc:
+                last = f"{url}: {exc}"
+        raise EngineUnavailable(f"no engine answered {path}: {last}")
+
+    async def finish_session(self, session_id: str) -> dict[str, Any]:
+        """End a sticky session at the router: its replica and its versions are forgotten."""
+        headers = {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        with _unavailable(self.router_url):
+            r = await self.http.post(
+                self.router_url + "/finish_session",
+                params={"session_id": session_id},
+                headers=headers,
+                timeout=10.0,
+            )
+        if r.status_code != 200:
+            raise EngineUnavailable(f"the router answered {r.status_code} to finish_session")
+        return {"ok": True}
 
     # -- generation -------------------------------------------------------------------------------
     async def route_model(self, model: object) -> str | None:

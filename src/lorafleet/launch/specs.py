@@ -205,7 +205,10 @@ class VLLMSpec(PortServerSpec):
             "--model", str(self.model), "--served-model-name", self.served_model_name,
             "--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras), "--max-model-len", str(self.max_model_len),
-            "--dtype", self.dtype, "--host", self.host, "--port", str(port), *self.extra,
+            "--dtype", self.dtype, "--host", self.host, "--port", str(port),
+            # vLLM's native token-in token-out /inference/v1/generate (SkyRL's generation
+            # route, which the router forwards to vLLM replicas) is off without it (a 403).
+            "--enable-scale-out", *self.extra,
         ]  # fmt: skip
 
     def environ(self) -> dict[str, str]:

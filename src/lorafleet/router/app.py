@@ -63,7 +63,9 @@ from lorafleet.router.table import AliasStore
 
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
 
-HOT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+HOT_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate"}
+)
 
 log = logging.getLogger("lorafleet.router")
 
@@ -493,6 +495,16 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             },
             ["token_ids"],
         ),
+        "/inference/v1/generate": (
+            "vLLM's native token-in token-out generation, on every engine kind (vLLM's answer "
+            "shape): {model, token_ids, sampling_params}",
+            {
+                "model": model,
+                "token_ids": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                "sampling_params": {"type": "object"},
+            },
+            ["token_ids", "sampling_params"],
+        ),
     }
     sglang = GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     for k, v in sglang.pop("$defs", {}).items():
@@ -514,6 +526,8 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             "The engine's answer, tagged with the version (a lorafleet field in the JSON body, "
             "or one extra chunk before data: [DONE] in a stream)"
         )
+        if path == "/inference/v1/generate":  # one JSON answer: never a stream
+            del ok["content"]["text/event-stream"]
         responses: dict = {"200": ok}
         for status in sorted(own):
             why = describe(status, own[status]) + _DATA_PLANE_WHY.get(status, "")

@@ -32,6 +32,7 @@ from lorafleet._service import check_token, send_error
 from lorafleet.engine_kinds import address, model_field
 from lorafleet.errors import (
     BodyTooLarge,
+    EngineRejected,
     EngineUnavailable,
     Forbidden,
     InvalidName,
@@ -56,6 +57,7 @@ from lorafleet.protocol.router import (
     RoutableVersion,
 )
 from lorafleet.protocol.sglang import is_native_generate
+from lorafleet.router import inference_generate as inference
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.native import Native
@@ -76,6 +78,7 @@ DATA_PLANE_ERRORS: tuple[type[ServiceError], ...] = (
     StreamInterrupted,
     EngineUnavailable,
     NoReplica,
+    EngineRejected,
 )
 """Every refusal the data plane answers itself: its OpenAPI document is written from this tuple,
 and tests/test_error_docs.py checks that the proxy raises nothing else."""
@@ -185,6 +188,8 @@ class Proxy:
             route = self.resolve(req.get("model"), session)
             if path == "/generate":
                 fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
+            elif path == inference.INFERENCE_GENERATE:
+                fwd, fwd_path = inference.check_request(req), path  # a copy: never the raw bytes
             else:
                 fwd, fwd_path = req, path
             cands = self.balancer.candidates(route.replicas, route.base_model)
@@ -377,15 +382,17 @@ class Proxy:
                 break
             replica.inflight += 1
             sent_model = model_field(replica.kind, replica.base_model, route.engine_name)
+            rpath, rreq, translated = self._native_request(path, req, replica)
             if raw is not None:
                 data = raw
             else:
-                data = json.dumps(address(req, replica.kind, replica.base_model, route.engine_name))
-                data = data.encode()
+                data = json.dumps(
+                    address(rreq, replica.kind, replica.base_model, route.engine_name)
+                ).encode()
             placed_at = replica.agent_url
             try:
                 try:
-                    resp = await self._send(replica, path, data)
+                    resp = await self._send(replica, rpath, data)
                 except _Unreachable as exc:
                     # Refused means nothing listens: out of rotation at once. A timeout or a
                     # reset counts as one failure; a run of them takes the replica out. Not
@@ -403,7 +410,9 @@ class Proxy:
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
                         await self._stream(send, route, replica, resp, scope["path"], sent_model)
                         return resp.status
-                    return await self._whole(send, route, replica, resp, generate, sent_model)
+                    return await self._whole(
+                        send, route, replica, resp, generate, sent_model, translated=translated
+                    )
                 except BaseException:
                     resp.close()  # never return a half-read connection to the pool
                     raise
@@ -427,8 +436,11 @@ class Proxy:
         resp: aiohttp.ClientResponse,
         generate: bool,
         sent_model: str | None,
+        *,
+        translated: bool = False,
     ) -> int:
-        """Relay a whole answer (tagged if it is a 200 JSON body); the status sent."""
+        """Relay a whole answer (tagged if it is a 200 JSON body); the status sent.
+        ``translated``: a completions answer to rebuild as ``/inference/v1/generate``'s."""
         try:
             body = await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -443,6 +455,12 @@ class Proxy:
         if resp.status == 200 and ctype.startswith("application/json"):
             if generate:
                 body = self._generate_answer(body, route)
+            if translated:
+                try:
+                    body = inference.from_completion(body)
+                except ValueError as exc:
+                    await send_error(send, EngineRejected(f"{replica.replica_id}: {exc}"))
+                    return 502
             m = _MODEL_RE.search(body)
             engine_model = m.group(1) if m else None
             if m and rename and engine_model == _esc(sent_model):
@@ -470,6 +488,14 @@ class Proxy:
         # Any other versioned engine name loses its version; the client's own (a pinned
         # ``policy@v3``) stays as the client wrote it.
         return _ENGINE_NAME_RE.sub(lambda m: m[0] if m[0] == alias else m[1], body)
+
+    @staticmethod
+    def _native_request(path: str, req: dict, replica: Replica) -> tuple[str, dict, bool]:
+        """Where and what to send one replica: ``/inference/v1/generate`` as is on vLLM, as a
+        token-id completion elsewhere (``inference_generate``); other paths unchanged."""
+        if path == inference.INFERENCE_GENERATE and inference.translated(replica.kind):
+            return "/v1/completions", inference.as_completion(req), True
+        return path, req, False
 
     @staticmethod
     def _generate_answer(body: bytes, route: Route) -> bytes:

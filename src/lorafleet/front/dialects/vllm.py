@@ -11,7 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.params import Depends
 from fastapi.responses import PlainTextResponse, Response
 
+from lorafleet._service import streamed_ok
 from lorafleet.errors import InvalidRequest
+from lorafleet.front.dialects._openapi import route_doc
 from lorafleet.front.forward import forward_generation, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import PAUSE_MODES, FrontLoadRequest, FrontUnloadRequest
@@ -25,11 +27,11 @@ def routes(front: Front, control: Depends) -> APIRouter:
     r = APIRouter()
     ctl = [control]
 
-    @r.get("/v1/models")
+    @r.get("/v1/models", **route_doc(None, 503))
     async def models() -> dict:
         return await front.models()
 
-    @r.get("/server_info")
+    @r.get("/server_info", **route_doc(None, 400, 503))
     async def server_info(config_format: str = "text") -> dict:
         return await front.server_info()
 
@@ -41,14 +43,14 @@ def routes(front: Front, control: Depends) -> APIRouter:
     async def is_paused() -> dict:
         return {"is_paused": front.paused}
 
-    @r.post("/pause", dependencies=ctl)
+    @r.post("/pause", dependencies=ctl, **route_doc(None, 400, 401, 403))
     async def pause(mode: str = "abort", clear_cache: bool = True) -> dict:
         if mode not in PAUSE_MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}", param="mode")
         front.paused = True
         return {"status": "paused", "mode": mode, "lorafleet": "acknowledged; nothing paused"}
 
-    @r.post("/resume", dependencies=ctl)
+    @r.post("/resume", dependencies=ctl, **route_doc(None, 401, 403))
     async def resume() -> dict:
         front.paused = False
         return {"status": "resumed"}
@@ -66,14 +68,26 @@ def routes(front: Front, control: Depends) -> APIRouter:
         done = await front.unload(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
 
+    control_errors = (400, 401, 403, 404, 409, 413)
     for path in ("/v1/load_lora_adapter", "/load_lora_adapter"):
-        r.post(path, dependencies=ctl)(load)
+        r.post(
+            path,
+            dependencies=ctl,
+            **route_doc(FrontLoadRequest, *control_errors, 422, 502, 503, text_ok=True),
+        )(load)
     for path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
-        r.post(path, dependencies=ctl)(unload)
+        r.post(
+            path,
+            dependencies=ctl,
+            **route_doc(FrontUnloadRequest, *control_errors, 503, text_ok=True),
+        )(unload)
 
     async def generate(request: Request) -> Response:
         return await forward_generation(front, request, await read_object(request))
 
+    openai_body = {"type": "object"}
+    streamed = streamed_ok("The router's answer, tagged (JSON, or events when stream is true)")
     for path in ("/v1/completions", "/v1/chat/completions"):
-        r.post(path)(generate)
+        doc = route_doc(openai_body, 409, 413, 502, 503, relayed=(400, 403, 404), ok=streamed)
+        r.post(path, **doc)(generate)
     return r
