@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: venv, dependencies, tiny model, the real-vLLM and
-# real-SGLang tiers, lint, then pytest. Extra arguments go to pytest (e.g. scripts/test.sh
-# tests/bundle -x). LORAFLEET_SKIP_VLLM=1 / LORAFLEET_SKIP_SGLANG=1 skip a tier and its install.
+# real-SGLang tiers, the AReaL client tier, lint, then pytest. Extra arguments go to pytest (e.g.
+# scripts/test.sh tests/bundle -x). LORAFLEET_SKIP_VLLM=1 / LORAFLEET_SKIP_SGLANG=1 /
+# LORAFLEET_SKIP_AREAL=1 skip a tier and its install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -13,6 +14,11 @@ if [ "${LORAFLEET_SKIP_SGLANG:-0}" != "1" ]; then
   # sglang 0.5.23 on CPU, cached; ~3.5 CPU-minutes the first time (docs/engines/sglang.md).
   LORAFLEET_SGLANG_VENV="$(scripts/setup-sglang.sh | tail -n 1)"
   export LORAFLEET_SGLANG_VENV
+fi
+if [ "${LORAFLEET_SKIP_AREAL:-0}" != "1" ]; then
+  # AReaL 1.0.4's client side (its RemoteSGLangEngine / RemotevLLMEngine), cached; ~3.5 min once.
+  LORAFLEET_AREAL_VENV="$(scripts/setup-areal.sh | tail -n 1)"
+  export LORAFLEET_AREAL_VENV
 fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
