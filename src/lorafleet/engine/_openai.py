@@ -98,6 +98,7 @@ def router(
         model_name = req.model or served
         metrics.requests.labels("/v1/completions", model_name).inc()
         adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
+        shown = bodies.token_namer(token_text, req.return_tokens_as_token_ids)
         p = req.prompt
         if isinstance(p, str):
             prompts: list[tuple[str | None, list[int]]] = [(p, runtime.encode(p))]
@@ -145,7 +146,7 @@ def router(
                 logprobs = None
                 if req.logprobs is not None:
                     scored = (ids, result.prompt_logprobs) if result.prompt_logprobs else None
-                    logprobs = bodies.legacy_logprobs(token_text, events, len(prefix(i)), scored)
+                    logprobs = bodies.legacy_logprobs(shown, events, len(prefix(i)), scored)
                 choices.append(
                     bodies.completion_choice(
                         i,
@@ -192,8 +193,8 @@ def router(
                             continue
                         lp = None
                         if req.logprobs is not None and item.token_id >= 0:
-                            lp = bodies.legacy_logprobs(token_text, [item], offset)
-                            offset += len(token_text(item.token_id))
+                            lp = bodies.legacy_logprobs(shown, [item], offset)
+                            offset += len(shown(item.token_id))
                         if not item.text and lp is None:
                             continue
                         extra = {"token_ids": [item.token_id]} if req.return_token_ids else {}
@@ -212,6 +213,7 @@ def router(
         model_name = req.model or served
         metrics.requests.labels("/v1/chat/completions", model_name).inc()
         adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
+        shown = bodies.token_namer(token_text, req.return_tokens_as_token_ids)
         try:
             prompt = runtime.render_chat(_chat_messages(req), req.add_generation_prompt)
         except Exception as exc:  # jinja errors: vLLM answers 400
@@ -241,7 +243,7 @@ def router(
                 created,
                 model_name,
                 result,
-                bodies.chat_logprobs(token_text, events) if req.logprobs else None,
+                bodies.chat_logprobs(shown, events) if req.logprobs else None,
                 (ids, result.token_ids) if req.return_token_ids else None,
             )
 
@@ -271,7 +273,7 @@ def router(
                         continue
                     lp = None
                     if req.logprobs and item.token_id >= 0:
-                        lp = bodies.chat_logprobs(token_text, [item])
+                        lp = bodies.chat_logprobs(shown, [item])
                     if not item.text and lp is None:
                         continue
                     yield chunk({"content": item.text}, logprobs=lp)

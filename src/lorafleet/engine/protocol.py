@@ -44,6 +44,8 @@ class _SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     ignore_eos: bool | None = False  # vLLM's extra sampling parameter
+    # vLLM's: logprobs name each token "token_id:<id>" (AReaL reads the id back from it).
+    return_tokens_as_token_ids: bool | None = False
     # SGLang's OpenAI routes also take the adapter as ``lora_path`` in the body.
     lora_path: str | None = None
 

@@ -9,7 +9,18 @@ The front (``lorafleet front``) answers one vLLM server's API over a whole fleet
     POST /v1/completions, /v1/chat/completions                    forwarded to the router
 
 Field names are vLLM's (``lora_name``, ``lora_path``, ``load_inplace``). Unknown fields are
-ignored, as vLLM ignores them.
+ignored, as vLLM ignores them. AReaL's vLLM server adds (``--dialect vllm``)::
+
+    POST /areal_pause_generation, /areal_continue_generation      AReaL's pause (front.gate)
+
+The SGLang dialect (``--dialect sglang``) answers one SGLang 0.5.23 server's, with its names::
+
+    GET  /health, /health_generate, /model_info, /get_model_info, /server_info, /v1/models
+    POST /pause_generation                                        PauseGenerationRequest
+    POST /continue_generation                                     ContinueGenerationRequest
+    POST /load_lora_adapter                                       SGLangLoadLoRAAdapterRequest
+    POST /unload_lora_adapter                                     SGLangUnloadLoRAAdapterRequest
+    POST /generate, /v1/completions, /v1/chat/completions         forwarded to the router
 """
 
 from __future__ import annotations
@@ -20,13 +31,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PAUSE_MODES",
+    "SGLANG_PAUSE_MODES",
+    "ContinueGenerationRequest",
     "LoadLoRAAdapterRequest",
+    "PauseGenerationRequest",
     "PauseMode",
+    "SGLangLoadLoRAAdapterRequest",
+    "SGLangPauseMode",
+    "SGLangUnloadLoRAAdapterRequest",
     "UnloadLoRAAdapterRequest",
 ]
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+SGLangPauseMode = Literal["abort", "retract", "in_place"]
+SGLANG_PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 
 class _Model(BaseModel):
@@ -43,3 +62,30 @@ class LoadLoRAAdapterRequest(_Model):
 class UnloadLoRAAdapterRequest(_Model):
     lora_name: str = Field(min_length=1, max_length=200)
     lora_int_id: int | None = None
+
+
+# -- SGLang's bodies (sglang.srt.managers.io_struct, 0.5.23): its field names and defaults. --------
+
+
+class PauseGenerationRequest(_Model):
+    """``POST /pause_generation``: ``abort`` (SGLang's default) ends what is in flight."""
+
+    mode: SGLangPauseMode = "abort"
+
+
+class ContinueGenerationRequest(_Model):
+    torch_empty_cache: bool = True
+    """Accepted and ignored: the front holds no accelerator memory."""
+
+
+class SGLangLoadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False
+    """Accepted and ignored: the retention window decides what stays loaded."""
+    lora_id: str | None = Field(default=None, max_length=200)
+
+
+class SGLangUnloadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_id: str | None = Field(default=None, max_length=200)

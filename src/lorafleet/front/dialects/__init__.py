@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter
 from fastapi.params import Depends
 
-from lorafleet.front.dialects import vllm
+from lorafleet.front.dialects import sglang, vllm
 from lorafleet.front.service import Front
 
 __all__ = ["DIALECTS", "Dialect", "RouteGroup"]
@@ -33,5 +33,11 @@ class Dialect:
 
 
 DIALECTS: dict[str, Dialect] = {
-    d.name: d for d in (Dialect("vllm", "one vLLM server's API (TRL, prime-rl)", (vllm.routes,)),)
+    d.name: d
+    for d in (
+        Dialect(
+            "vllm", "one vLLM server's API (TRL, prime-rl, AReaL)", (vllm.routes, vllm.areal_routes)
+        ),
+        Dialect("sglang", "one SGLang server's API (AReaL)", (sglang.routes,)),
+    )
 }

@@ -1,0 +1,105 @@
+"""Pause and continue for trainers that freeze their inference server around a weight update.
+
+AReaL pauses every server before it loads a new adapter (SGLang's ``/pause_generation``, its
+vLLM server's ``/areal_pause_generation``) and continues after. On those servers a pause in
+``abort`` mode ends every request in flight, which answers at once with finish reason ``abort``,
+and holds new requests until ``continue``; the trainer resends an aborted prompt (with what it
+got) after the update. The front does the same for the generation that passes through it, and
+only that: other trainers on the fleet are not paused. lorafleet's loads never need the pause
+(a load is an atomic flip and every request is pinned to the version it started with), so a
+pause costs only what the trainer asked for.
+
+``retract`` and ``in_place`` (SGLang's other modes) freeze requests on the real server and run
+them on after ``continue``; the front cannot freeze a request on a shared engine, so in those
+modes the requests in flight run to their end while new ones wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+__all__ = ["Aborted", "GenerationGate", "PauseReport"]
+
+T = TypeVar("T")
+Mode = Literal["abort", "retract", "in_place"]
+
+
+class Aborted(Exception):
+    """A generation in flight was ended by a pause in ``abort`` mode."""
+
+
+@dataclass(frozen=True)
+class PauseReport:
+    """What a pause did: its mode, how many requests it aborted, how many it let finish."""
+
+    mode: str
+    aborted: int
+    running: int
+
+    def words(self) -> str:
+        if self.mode == "abort":
+            return (
+                f"paused; {self.aborted} generation(s) in flight through this front aborted "
+                "(answered with finish reason abort); new ones wait for continue"
+            )
+        return (
+            f"paused ({self.mode}); {self.running} generation(s) in flight run to their end "
+            "(a shared engine cannot freeze them); new ones wait for continue"
+        )
+
+
+class GenerationGate:
+    """Holds new generation while paused; aborts the abortable ones in flight on request."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._inflight: dict[asyncio.Task, bool] = {}  # task -> abortable
+        self.aborted_total = 0
+        """Generations this gate has aborted since the front started (tests read it)."""
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    async def run(self, work: Callable[[], Awaitable[T]], *, abortable: bool = True) -> T:
+        """Run ``work`` once the gate is open. Raises ``Aborted`` if a pause ended it."""
+        await self._open.wait()
+        task = asyncio.ensure_future(work())
+        self._inflight[task] = abortable
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Either the client went away (cancel the work too) or a pause cancelled the task.
+            if task.cancelled() and not _current_cancelling():
+                raise Aborted() from None
+            task.cancel()
+            raise
+        finally:
+            self._inflight.pop(task, None)
+
+    async def pause(self, mode: str = "abort") -> PauseReport:
+        """Close the gate; in ``abort`` mode end what is in flight and wait until it has ended."""
+        self._open.clear()
+        if mode != "abort":
+            return PauseReport(mode, 0, len(self._inflight))
+        victims = [t for t, abortable in self._inflight.items() if abortable and not t.done()]
+        for t in victims:
+            t.cancel()
+        if victims:
+            await asyncio.wait(victims)
+        self.aborted_total += len(victims)
+        return PauseReport(mode, len(victims), len(self._inflight) - len(victims))
+
+    def resume(self) -> None:
+        """Open the gate: the held requests go on."""
+        self._open.set()
+
+
+def _current_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (the client left), not its work."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
