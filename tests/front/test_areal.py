@@ -153,3 +153,150 @@ def test_areal_remote_engine_disk_updates(
     table = httpx.get(f"{fl.router.url}/v1/models", timeout=10).json()
     ids = {m["id"] for m in table["data"]}
     assert {f"{lora}@v1", f"{lora}@v2"} <= ids or lora in ids
+
+
+# -- the routes AReaL drives, one by one (no AReaL needed) ---------------------------------------
+
+
+def _front(fleet, fronts, dialect: str) -> tuple[str, object]:
+    fl, shared = fleet
+    cfg = FrontConfig(
+        agents=fl.agent_urls,
+        router=fl.router.url,
+        shared_dirs=[shared],
+        fleet_token=fl.token,
+        allow_unauthenticated_control=True,
+        dialect=dialect,
+    )
+    url = fronts.start(cfg)
+    return url, fronts.apps[url].state.front
+
+
+LORA_UPDATE_KEYS = ["rid", "http_worker_ipc", "success", "error_message", "loaded_adapters"]
+
+
+def test_sglang_load_and_unload_answer_as_sglang(fleet, fronts, tiny_model):
+    fl, shared = fleet
+    url, _ = _front(fleet, fronts, "sglang")
+    d1 = make_peft_adapter(tiny_model, shared / "ctl" / "v1", seed=21)
+    d2 = make_peft_adapter(tiny_model, shared / "ctl" / "v2", seed=22)
+
+    r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "ctl-v1", "lora_path": str(d1)})
+    assert r.status_code == 200, r.text
+    assert list(r.json()) == LORA_UPDATE_KEYS
+    assert r.json()["success"] is True and r.json()["error_message"] == ""
+    assert r.json()["loaded_adapters"] == {"ctl-v1": str(d1)}
+    assert r.headers["x-lorafleet-adapter-version"] == "1"
+    # The front took the bytes before it answered: the trainer may delete the directory now.
+    import shutil
+
+    shutil.rmtree(d1)
+    r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "ctl-v2", "lora_path": str(d2)})
+    assert r.status_code == 200, r.text
+    assert r.json()["loaded_adapters"] == {"ctl-v1": str(d1), "ctl-v2": str(d2)}
+    for i in range(2):
+        assert {a["name"] for a in fl.adapters(i)} >= {"ctl"}
+
+    # Unload is best effort, as AReaL sends it: v1 stops being served; again is no error.
+    for _ in range(2):
+        r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "ctl-v1"})
+        assert r.status_code == 200, r.text
+        assert r.json()["loaded_adapters"] == {"ctl-v2": str(d2)}
+
+    # Refusals keep SGLang's body, with lorafleet's precise status and code.
+    def refused(path: str, body: dict, status: int, code: str) -> None:
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == status, r.text
+        assert r.json()["success"] is False and r.json()["error_message"]
+        assert r.json()["error"]["code"] == code
+        assert r.headers["x-lorafleet-error-code"] == code
+
+    refused(
+        "/load_lora_adapter", {"lora_name": "ctl-v0", "lora_path": str(d2)}, 400, "invalid_request"
+    )
+    refused(
+        "/load_lora_adapter", {"lora_name": "ctl-v3", "lora_path": "/etc"}, 403, "path_not_allowed"
+    )
+    refused(
+        "/load_lora_adapter", {"lora_name": "ctl-v1", "lora_path": str(d2)}, 409, "version_conflict"
+    )
+    refused("/unload_lora_adapter", {"lora_name": "nope-v1"}, 404, "adapter_not_found")
+    refused("/unload_lora_adapter", {"lora_name": "ctl-v2"}, 409, "version_conflict")
+    r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "ctl-v3"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+
+    info = httpx.get(f"{url}/model_info").json()
+    assert info["model_path"] and info["is_generation"] is True
+    assert info["served_model_name"] == "tiny" and info["model_type"] == "llama"
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _complete(url: str, model: str, max_tokens: int) -> dict:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": [1, 2, 3],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_pause_aborts_what_is_in_flight_and_holds_what_comes(fleet, fronts):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, front = _front(fleet, fronts, "vllm")
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(_complete, url, "tiny", 500)
+        deadline = time.monotonic() + 30
+        while front.gate.inflight < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(f"{url}/areal_pause_generation", json={})
+        assert r.status_code == 200 and r.json()["success"] is True
+        body = long.result(timeout=10)  # at once, not after 500 tokens
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "abort" and choice["logprobs"]["tokens"] == []
+        assert body["model"] == "tiny"
+
+        held = pool.submit(_complete, url, "tiny", 4)
+        time.sleep(0.5)
+        assert not held.done() and front.gate.paused
+        r = httpx.post(f"{url}/areal_continue_generation", json={})
+        assert r.json() == {"success": True, "message": "Generation continued"}
+        choice = held.result(timeout=60)["choices"][0]
+        assert choice["finish_reason"] == "length"
+        # vLLM's return_tokens_as_token_ids: each token as "token_id:<id>", as AReaL parses it.
+        assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+        assert len(choice["logprobs"]["token_logprobs"]) == 4
+
+
+def test_sglang_pause_in_place_lets_the_running_finish(fleet, fronts):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, front = _front(fleet, fronts, "sglang")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_complete, url, "tiny", 60)
+        deadline = time.monotonic() + 30
+        while front.gate.inflight < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(f"{url}/pause_generation", json={"mode": "in_place"})
+        assert r.status_code == 200, r.text
+        assert r.json()["message"] == "Generation paused successfully."
+        assert r.json()["status"] == "ok"
+        assert running.result(timeout=60)["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(f"{url}/continue_generation", json={})
+        assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
+    r = httpx.post(f"{url}/pause_generation", json={"mode": "freeze"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+    assert not front.gate.paused

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from lorafleet._service import JsonBodyLimit, install_error_handlers
+from lorafleet._service import JsonBodyLimit, finish_openapi, install_error_handlers
 from lorafleet.front.dialects import DIALECTS
 from lorafleet.front.forward import GENERATION_BODY_LIMIT
 from lorafleet.front.service import Front, FrontConfig
@@ -49,4 +49,5 @@ def create_app(cfg: FrontConfig) -> FastAPI:
 
     for group in dialect.groups:
         app.include_router(group(front, Depends(control)))
+    finish_openapi(app)
     return app

@@ -65,6 +65,11 @@ class GenerationGate:
     def paused(self) -> bool:
         return not self._open.is_set()
 
+    @property
+    def inflight(self) -> int:
+        """Generations running through the gate now (held ones not counted)."""
+        return len(self._inflight)
+
     async def run(self, work: Callable[[], Awaitable[T]], *, abortable: bool = True) -> T:
         """Run ``work`` once the gate is open. Raises ``Aborted`` if a pause ended it."""
         await self._open.wait()

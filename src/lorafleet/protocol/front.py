@@ -36,6 +36,7 @@ __all__ = [
     "LoadLoRAAdapterRequest",
     "PauseGenerationRequest",
     "PauseMode",
+    "SGLangLoRAUpdateOutput",
     "SGLangLoadLoRAAdapterRequest",
     "SGLangPauseMode",
     "SGLangUnloadLoRAAdapterRequest",
@@ -89,3 +90,14 @@ class SGLangLoadLoRAAdapterRequest(_Model):
 class SGLangUnloadLoRAAdapterRequest(_Model):
     lora_name: str = Field(min_length=1, max_length=200)
     lora_id: str | None = Field(default=None, max_length=200)
+
+
+class SGLangLoRAUpdateOutput(BaseModel):
+    """SGLang's answer to a load or unload (``LoRAUpdateOutput``): what is loaded, name -> path.
+    A refusal has ``success: false`` and lorafleet's ``error`` envelope beside it."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None

@@ -25,14 +25,16 @@ from fastapi import APIRouter, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response
 
-from lorafleet._service import error_parts
+from lorafleet._service import error_parts, errors
 from lorafleet.errors import ServiceError
+from lorafleet.front.dialects.vllm import openai_generate
 from lorafleet.front.forward import forward_gated, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import (
     ContinueGenerationRequest,
     PauseGenerationRequest,
     SGLangLoadLoRAAdapterRequest,
+    SGLangLoRAUpdateOutput,
     SGLangUnloadLoRAAdapterRequest,
 )
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
@@ -72,7 +74,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         }
 
     for path in ("/model_info", "/get_model_info"):
-        r.get(path)(model_info)
+        r.get(path, responses=errors(503))(model_info)
 
     async def server_info() -> dict:
         base = await front.base_model()
@@ -100,13 +102,13 @@ def routes(front: Front, control: Depends) -> APIRouter:
         }
 
     for path in ("/server_info", "/get_server_info"):
-        r.get(path)(server_info)
+        r.get(path, responses=errors(503))(server_info)
 
-    @r.get("/v1/models")
+    @r.get("/v1/models", responses=errors(503))
     async def models() -> dict:
         return await front.models()
 
-    @r.post("/pause_generation", dependencies=ctl)
+    @r.post("/pause_generation", dependencies=ctl, responses=errors(400, 401, 403, 413))
     async def pause_generation(req: PauseGenerationRequest) -> dict:
         report = await front.gate.pause(req.mode)
         return {
@@ -115,12 +117,17 @@ def routes(front: Front, control: Depends) -> APIRouter:
             "lorafleet": report.words(),
         }
 
-    @r.post("/continue_generation", dependencies=ctl)
+    @r.post("/continue_generation", dependencies=ctl, responses=errors(400, 401, 403, 413))
     async def continue_generation(req: ContinueGenerationRequest) -> dict:
         front.gate.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @r.post("/load_lora_adapter", dependencies=ctl)
+    @r.post(
+        "/load_lora_adapter",
+        dependencies=ctl,
+        response_model=SGLangLoRAUpdateOutput,
+        responses=errors(400, 401, 403, 409, 413, 422, 502, 503),
+    )
     async def load(req: SGLangLoadLoRAAdapterRequest) -> Response:
         try:
             result = await front.load(req.lora_name, req.lora_path)
@@ -129,7 +136,12 @@ def routes(front: Front, control: Depends) -> APIRouter:
         headers = {ADAPTER_HEADER: result.name, VERSION_HEADER: str(result.version)}
         return JSONResponse(await _update_output(front), headers=headers)
 
-    @r.post("/unload_lora_adapter", dependencies=ctl)
+    @r.post(
+        "/unload_lora_adapter",
+        dependencies=ctl,
+        response_model=SGLangLoRAUpdateOutput,
+        responses=errors(400, 401, 403, 404, 409, 413, 503),
+    )
     async def unload(req: SGLangUnloadLoRAAdapterRequest) -> Response:
         try:
             await front.unload(req.lora_name)
@@ -137,7 +149,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
             return _refusal(exc)
         return JSONResponse(await _update_output(front))
 
-    @r.post("/generate")
+    @r.post("/generate", responses=errors(400, 404, 409, 413, 502, 503))
     async def generate(request: Request) -> Response:
         body = await read_object(request)
         if "lora_path" in body:
@@ -146,6 +158,9 @@ def routes(front: Front, control: Depends) -> APIRouter:
                 del body["lora_path"]
         return await forward_gated(front, request, body, aborted_generate)
 
+    # SGLang serves OpenAI's routes too; they go to the router's, as on the vLLM dialect.
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r.post(path, responses=errors(400, 404, 409, 413, 502, 503))(openai_generate(front))
     return r
 
 

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.params import Depends
 from fastapi.responses import PlainTextResponse, Response
 
+from lorafleet._service import errors
 from lorafleet.errors import InvalidRequest
 from lorafleet.front.forward import forward_gated, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import PAUSE_MODES, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
 
-__all__ = ["aborted_completion", "areal_routes", "routes"]
+__all__ = ["aborted_chat", "aborted_completion", "areal_routes", "openai_generate", "routes"]
 
 
 def routes(front: Front, control: Depends) -> APIRouter:
@@ -79,15 +81,21 @@ def routes(front: Front, control: Depends) -> APIRouter:
     for path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
         r.post(path, dependencies=ctl)(unload)
 
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r.post(path)(openai_generate(front))
+    return r
+
+
+def openai_generate(front: Front) -> Callable[[Request], Awaitable[Response]]:
+    """The route that forwards OpenAI generation to the router's path of the same name."""
+
     async def generate(request: Request) -> Response:
         aborted = aborted_chat if request.url.path.endswith("/chat/completions") else None
         return await forward_gated(
             front, request, await read_object(request), aborted or aborted_completion
         )
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        r.post(path)(generate)
-    return r
+    return generate
 
 
 def areal_routes(front: Front, control: Depends) -> APIRouter:
@@ -95,7 +103,7 @@ def areal_routes(front: Front, control: Depends) -> APIRouter:
     r = APIRouter()
     ctl = [control]
 
-    @r.post("/areal_pause_generation", dependencies=ctl)
+    @r.post("/areal_pause_generation", dependencies=ctl, responses=errors(401, 403))
     async def areal_pause() -> dict:
         report = await front.gate.pause("abort")
         return {
@@ -104,7 +112,7 @@ def areal_routes(front: Front, control: Depends) -> APIRouter:
             "lorafleet": report.words(),
         }
 
-    @r.post("/areal_continue_generation", dependencies=ctl)
+    @r.post("/areal_continue_generation", dependencies=ctl, responses=errors(401, 403))
     async def areal_continue() -> dict:
         front.gate.resume()
         return {"success": True, "message": "Generation continued"}
