@@ -195,7 +195,8 @@ def router(
                         if req.logprobs is not None and item.token_id >= 0:
                             lp = bodies.legacy_logprobs(shown, [item], offset)
                             offset += len(shown(item.token_id))
-                        if not item.text and lp is None:
+                        # A token whose text is not whole yet still has its id to report.
+                        if not item.text and lp is None and not req.return_token_ids:
                             continue
                         extra = {"token_ids": [item.token_id]} if req.return_token_ids else {}
                         yield chunk(i, item.text, logprobs=lp, **extra)

@@ -49,6 +49,7 @@ from lorafleet.protocol.router import (
     RouterHealth,
     SetAliasRequest,
 )
+from lorafleet.router import sglang_api
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.health import HealthPoller
 from lorafleet.router.metrics import RouterMetrics
@@ -418,6 +419,7 @@ def _build_api(router: RouterApp) -> FastAPI:
         )  # fmt: skip
         return _status(r)
 
+    app.include_router(sglang_api.routes(router, inference, keyed))
     finish_openapi(app, lambda schema: _document_data_plane(schema, cfg.api_key is not None))
     return app
 

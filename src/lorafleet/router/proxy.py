@@ -6,9 +6,10 @@ the body, resolves ``model`` against the alias table **at arrival**, counts the 
 (no ``await`` between the two, see balancer.py), forwards it over a pooled aiohttp session and
 streams the answer back chunk by chunk. JSON bodies are tagged by splicing bytes, not re-encoding.
 
-Native ``POST /generate`` (SkyRL's shape: ``{"model", "token_ids", "sampling_params"}``) maps to
-the engine's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, and answers
-``{"model", "choices": [{"index", "token_ids", "text", "finish_reason", "logprobs"}]}``.
+Native ``POST /generate`` in SkyRL's shape (``{"model", "token_ids", "sampling_params"}``) maps
+to the engine's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, and answers
+``{"model", "choices": [{"index", "token_ids", "text", "finish_reason", "logprobs"}]}``. A body
+with ``text`` or ``input_ids`` is SGLang's shape, answered by ``lorafleet.router.native``.
 
 A client never sees an engine-side name in an error (``policy@v3`` becomes ``policy``), and a
 stream that fails after its first byte (the engine broke off, ended without ``[DONE]``, or sent
@@ -43,8 +44,10 @@ from lorafleet.errors import (
 from lorafleet.protocol.errors import error_body
 from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import TAG_FIELD, AliasEntry, RoutableVersion
+from lorafleet.protocol.sglang import is_native_generate
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
+from lorafleet.router.native import Native
 from lorafleet.router.table import AliasStore
 
 __all__ = ["MAX_BODY", "Proxy"]
@@ -125,6 +128,8 @@ class Proxy:
         self.fresh = fresh or session
         """No connection reuse: where a request goes again after a stale pooled connection."""
         self._key = api_key or None
+        self.native = Native(self)
+        """SGLang's native ``/generate`` and abort (router/native.py)."""
 
     # --- entry ---------------------------------------------------------------------------------
 
@@ -146,6 +151,9 @@ class Proxy:
                 if k == b"x-session-id":
                     session = v.decode("latin-1")
                     break
+            if path == "/generate" and is_native_generate(req):
+                await self.native.generate(send, receive, req, session)
+                return
             route = self.resolve(req.get("model"), session)
             if path == "/generate":
                 fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
