@@ -99,15 +99,26 @@ async def forward_gated(
     *,
     path: str | None = None,
     model_field: str = "model",
+    rid: str | None = None,
 ) -> Response:
     """``forward_generation`` through the front's gate; ``aborted(body as the trainer sent it)``
-    is the answer when a pause ends the request. A stream is held while paused, never aborted
-    (its answer has begun): it runs to its end."""
+    is the answer when a pause cuts the request off. ``rid``: the request's id at the router,
+    whose ``/abort_request`` then ends it with its partial answer instead. A stream is held
+    while paused, never aborted (its answer has begun): it runs to its end."""
     sent = copy.deepcopy(body)
+
+    async def abort_at_router() -> None:
+        headers = {"authorization": f"Bearer {front.cfg.api_key}"} if front.cfg.api_key else {}
+        r = await front.http.post(
+            front.router_url + "/abort_request", json={"rid": rid}, headers=headers, timeout=10
+        )
+        r.raise_for_status()
+
     try:
         return await front.gate.run(
             lambda: forward_generation(front, request, body, path=path, model_field=model_field),
             abortable=not body.get("stream"),
+            abort=abort_at_router if rid is not None else None,
         )
     except Aborted:
         return JSONResponse(aborted(sent))

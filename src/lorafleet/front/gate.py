@@ -9,6 +9,11 @@ only that: other trainers on the fleet are not paused. lorafleet's loads never n
 (a load is an atomic flip and every request is pinned to the version it started with), so a
 pause costs only what the trainer asked for.
 
+A request the router can abort by its ``rid`` (SGLang's native ``/generate``) is aborted there:
+the router ends it on its engine and answers with what was generated, finish reason ``abort``,
+so the trainer resends only the rest. Any other (OpenAI's routes) is cut off at the front and
+answered with no output and finish reason ``abort``; the trainer resends the whole prompt.
+
 ``retract`` and ``in_place`` (SGLang's other modes) freeze requests on the real server and run
 them on after ``continue``; the front cannot freeze a request on a shared engine, so in those
 modes the requests in flight run to their end while new ones wait.
@@ -21,9 +26,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-__all__ = ["Aborted", "GenerationGate", "PauseReport"]
+__all__ = ["ABORT_GRACE_S", "Aborted", "GenerationGate", "PauseReport"]
 
 T = TypeVar("T")
+ABORT_GRACE_S = 10.0
+"""How long a request the router was asked to abort may take to answer before it is cut off."""
 Mode = Literal["abort", "retract", "in_place"]
 
 
@@ -58,6 +65,7 @@ class GenerationGate:
         self._open = asyncio.Event()
         self._open.set()
         self._inflight: dict[asyncio.Task, bool] = {}  # task -> abortable
+        self._soft: dict[asyncio.Task, Callable[[], Awaitable[object]]] = {}
         self.aborted_total = 0
         """Generations this gate has aborted since the front started (tests read it)."""
 
@@ -70,11 +78,21 @@ class GenerationGate:
         """Generations running through the gate now (held ones not counted)."""
         return len(self._inflight)
 
-    async def run(self, work: Callable[[], Awaitable[T]], *, abortable: bool = True) -> T:
-        """Run ``work`` once the gate is open. Raises ``Aborted`` if a pause ended it."""
+    async def run(
+        self,
+        work: Callable[[], Awaitable[T]],
+        *,
+        abortable: bool = True,
+        abort: Callable[[], Awaitable[object]] | None = None,
+    ) -> T:
+        """Run ``work`` once the gate is open. ``abort``: how to ask for it to end with its
+        partial answer (``work`` then returns that); without it a pause cuts it off. Raises
+        ``Aborted`` if a pause cut it off."""
         await self._open.wait()
         task = asyncio.ensure_future(work())
         self._inflight[task] = abortable
+        if abort is not None:
+            self._soft[task] = abort
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -85,6 +103,7 @@ class GenerationGate:
             raise
         finally:
             self._inflight.pop(task, None)
+            self._soft.pop(task, None)
 
     async def pause(self, mode: str = "abort") -> PauseReport:
         """Close the gate; in ``abort`` mode end what is in flight and wait until it has ended."""
@@ -92,10 +111,20 @@ class GenerationGate:
         if mode != "abort":
             return PauseReport(mode, 0, len(self._inflight))
         victims = [t for t, abortable in self._inflight.items() if abortable and not t.done()]
+        soft = [t for t in victims if t in self._soft]
         for t in victims:
-            t.cancel()
+            if t not in soft:
+                t.cancel()
+        asked = await asyncio.gather(*(self._soft[t]() for t in soft), return_exceptions=True)
+        for t, outcome in zip(soft, asked, strict=True):
+            if isinstance(outcome, BaseException):
+                t.cancel()  # the router could not be asked: cut it off instead
         if victims:
-            await asyncio.wait(victims)
+            _, late = await asyncio.wait(victims, timeout=ABORT_GRACE_S)
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.wait(late)
         self.aborted_total += len(victims)
         return PauseReport(mode, len(victims), len(self._inflight) - len(victims))
 

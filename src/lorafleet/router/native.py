@@ -790,12 +790,19 @@ def _check_translatable(req: GenerateRequest, item: GenerateItem, kind: str) -> 
         value = getattr(sp, k)
         if kind == "vllm" and k in _VLLM_FIELDS:
             continue
+        if k == "top_k" and _keeps_every_token(value):
+            continue
         ok = value is None if allowed is None else value in allowed
         if not ok:
             raise InvalidRequest(
                 f"sampling_params.{k}={value!r} is not supported {where}",
                 param=f"sampling_params.{k}",
             )
+
+
+def _keeps_every_token(top_k: object) -> bool:
+    """A top_k no vocabulary reaches samples from all of it, as no top_k does (AReaL sends 1e8)."""
+    return isinstance(top_k, int) and top_k >= 1 << 24
 
 
 def _token_id(tok: str) -> int | None:

@@ -156,7 +156,14 @@ def routes(front: Front, control: Depends) -> APIRouter:
             body["lora_path"] = await front.route_lora_path(body["lora_path"])
             if body["lora_path"] is None:
                 del body["lora_path"]
-        return await forward_gated(front, request, body, aborted_generate)
+        # One prompt gets a rid, so that a pause can abort it at the router and still answer
+        # what it generated (AReaL then resends prompt + those tokens).
+        rid = None
+        if _single(body) and not body.get("stream"):
+            if not isinstance(body.get("rid"), str):
+                body["rid"] = f"lorafleet-front-{uuid.uuid4().hex}"
+            rid = body["rid"]
+        return await forward_gated(front, request, body, aborted_generate, rid=rid)
 
     # SGLang serves OpenAI's routes too; they go to the router's, as on the vLLM dialect.
     for path in ("/v1/completions", "/v1/chat/completions"):
@@ -195,6 +202,14 @@ def _refusal(exc: ServiceError) -> Response:
         **json.loads(raw),
     }
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _single(body: dict) -> bool:
+    """Whether a ``/generate`` body is one prompt (ids or text), not a batch."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is not None:
+        return isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+    return isinstance(text, str)
 
 
 def aborted_generate(body: dict) -> Any:
