@@ -7,6 +7,8 @@ set -euo pipefail
 SGLANG_VERSION=0.5.23
 HERE="$(cd "$(dirname "$0")" && pwd)"
 SHIM="$HERE/sglang_cpu_shim/sgl_kernel"
+# shellcheck source=scripts/_venv.sh
+. "$HERE/_venv.sh"
 VENV="${LORAFLEET_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/lorafleet/venv-sglang-$SGLANG_VERSION}"
 STAMP="$VENV/.lorafleet-ready"
 # What import, serving and runtime LoRA need on CPU (the recipe's list; docs/engines/sglang.md
@@ -46,20 +48,17 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ]; then
 fi
 
 start=$SECONDS
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-python3.11 -m venv "$VENV" >&2
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
-CONSTRAINTS="$VENV/lorafleet-constraints.txt"
+venv_fresh "$VENV"
 # torch first and pinned for every later step: sglang pins torch==2.14.1, and letting pip resolve
 # that pulls a multi-GB CUDA build. pip takes 2.13.0+cpu from the local wheel folder.
-echo "torch==2.13.0" > "$CONSTRAINTS"
-"${PIP[@]}" "torch==2.13.0" >&2
+venv_torch "$VENV"
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+CONSTRAINTS="$VENV/lorafleet-constraints.txt"
 # sglang's wheel hard-pins CUDA-only packages (flashinfer, sglang-kernel, deep-gemm, ...), so it goes
 # in without its dependencies. xgrammar's only extra dependency is triton, added below.
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "xgrammar==0.2.7" >&2
 "${PIP[@]}" -c "$CONSTRAINTS" "${DEPS[@]}" >&2
-"$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__ == '2.13.0+cpu' else 'torch is ' + torch.__version__)"
+venv_check_torch "$VENV"
 
 # The published torchvision wheel is linked against CUDA torch: with torch 2.13.0+cpu its fake-op
 # registrations for torchvision::nms / ::qnms raise at import, and sglang imports torchvision

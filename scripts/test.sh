@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: venv, dependencies, tiny model, the real-vLLM and
-# real-SGLang tiers, lint, then pytest. Extra arguments go to pytest (e.g. scripts/test.sh
-# tests/bundle -x). LORAFLEET_SKIP_VLLM=1 / LORAFLEET_SKIP_SGLANG=1 / LORAFLEET_SKIP_SKYRL=1 skip a
-# tier and its install.
+# real-SGLang tiers, the SkyRL and AReaL client tiers, lint, then pytest. Extra arguments go to
+# pytest (e.g. scripts/test.sh tests/bundle -x). LORAFLEET_SKIP_VLLM=1 / LORAFLEET_SKIP_SGLANG=1 /
+# LORAFLEET_SKIP_SKYRL=1 / LORAFLEET_SKIP_AREAL=1 skip a tier and its install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -19,6 +19,11 @@ if [ "${LORAFLEET_SKIP_SKYRL:-0}" != "1" ]; then
   # SkyRL 0.4.0's client in its own Python 3.12 venv, cached (tests/front/test_skyrl*.py).
   LORAFLEET_SKYRL_VENV="$(scripts/setup-skyrl.sh | tail -n 1)"
   export LORAFLEET_SKYRL_VENV
+fi
+if [ "${LORAFLEET_SKIP_AREAL:-0}" != "1" ]; then
+  # AReaL 1.0.4's client side (its RemoteSGLangEngine / RemotevLLMEngine), cached; ~3.5 min once.
+  LORAFLEET_AREAL_VENV="$(scripts/setup-areal.sh | tail -n 1)"
+  export LORAFLEET_AREAL_VENV
 fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from lorafleet.front.app import create_app
 from lorafleet.front.service import FrontConfig
@@ -32,15 +33,17 @@ class _Server(uvicorn.Server):
         pass
 
 
-@pytest.fixture
-def serve_front() -> Iterator[Callable[[FrontConfig], str]]:
-    """``serve_front(cfg) -> base URL``: the front app under uvicorn in a thread of this test."""
-    servers: list[tuple[_Server, threading.Thread]] = []
+class FrontServers:
+    """Fronts under uvicorn, each in a thread of the test process, stopped together."""
 
-    def start(cfg: FrontConfig) -> str:
-        server = _Server(
-            uvicorn.Config(create_app(cfg), host="127.0.0.1", port=0, log_level="warning")
-        )
+    def __init__(self) -> None:
+        self.servers: list[tuple[_Server, threading.Thread]] = []
+        self.apps: dict[str, FastAPI] = {}
+        """Each front's app by its base URL: a test reads ``app.state.front`` through it."""
+
+    def start(self, cfg: FrontConfig) -> str:
+        app = create_app(cfg)
+        server = _Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
@@ -48,13 +51,23 @@ def serve_front() -> Iterator[Callable[[FrontConfig], str]]:
             assert time.monotonic() < deadline, "the front did not start"
             time.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{port}"
+        self.servers.append((server, thread))
+        url = f"http://127.0.0.1:{port}"
+        self.apps[url] = app
+        return url
 
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
+    def stop(self) -> None:
+        for server, thread in self.servers:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+@pytest.fixture
+def serve_front() -> Iterator[Callable[[FrontConfig], str]]:
+    """``serve_front(cfg) -> base URL``: the front app under uvicorn in a thread of this test."""
+    fronts = FrontServers()
+    yield fronts.start
+    fronts.stop()
 
 
 @pytest.fixture

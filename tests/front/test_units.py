@@ -105,3 +105,23 @@ def test_fleet_unreachable_is_503_not_500(tmp_path, serve_front):
         httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "p-v1"}),
     ):
         assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_unavailable"), r.text
+
+
+def test_version_zero_is_the_base_model():
+    m = NameMap()
+    assert m.is_base("policy-v0") and m.is_base("a-b-v00")
+    assert not m.is_base("policy-v1") and not m.is_base("policy") and not m.is_base("-v0")
+    assert not m.is_base(None) and not m.is_base(["policy-v0"])
+
+
+def test_an_aborted_generate_answers_as_sglang():
+    from lorafleet.front.dialects.sglang import aborted_generate
+
+    one = aborted_generate({"input_ids": [1, 2, 3], "return_logprob": True, "rid": "r1"})
+    assert one["output_ids"] == [] and one["text"] == ""
+    assert one["meta_info"]["id"] == "r1" and one["meta_info"]["prompt_tokens"] == 3
+    assert one["meta_info"]["finish_reason"]["type"] == "abort"
+    assert one["meta_info"]["output_token_logprobs"] == []
+    batch = aborted_generate({"text": ["a", "b"]})
+    assert [b["meta_info"]["finish_reason"]["type"] for b in batch] == ["abort", "abort"]
+    assert "output_token_logprobs" not in batch[0]["meta_info"]

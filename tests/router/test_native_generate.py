@@ -61,13 +61,13 @@ def engine_answer(fleet, model: str, ids: list[int], top: int | None, **extra) -
     if top is not None:
         lp = c["logprobs"]
         out["output_token_logprobs"] = [
-            [v, int(t.removeprefix("token:")), None]
+            [v, int(t.removeprefix("token_id:")), None]
             for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
         ]
         if top:
             out["output_top_logprobs"] = [
                 [
-                    [v, int(t.removeprefix("token:")), None]
+                    [v, int(t.removeprefix("token_id:")), None]
                     for t, v in sorted(d.items(), key=lambda x: -x[1])[:top]
                 ]
                 for d in lp["top_logprobs"]

@@ -59,10 +59,6 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _as_ids(token_id: int) -> str:
-    return f"token:{token_id}"
-
-
 def router(
     runtime: Runtime, metrics: EngineMetrics, dialect: _sglang.SGLangDialect | None = None
 ) -> APIRouter:
@@ -129,11 +125,9 @@ def router(
     @api.post("/v1/completions", responses=responses(400, 404, ok=_STREAMED))
     async def completions(req: CompletionRequest) -> Any:
         model_name = req.model or served
-        # vLLM's return_tokens_as_token_ids: logprob tokens (and their alternatives) as
-        # "token:<id>", so a client can tell apart tokens whose text is the same.
-        token_text = _as_ids if req.return_tokens_as_token_ids else runtime.token_text
         metrics.requests.labels("/v1/completions", model_name).inc()
         adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
+        shown = bodies.token_namer(token_text, req.return_tokens_as_token_ids)
         p = req.prompt
         if isinstance(p, str):
             prompts: list[tuple[str | None, list[int]]] = [(p, runtime.encode(p))]
@@ -181,7 +175,7 @@ def router(
                 logprobs = None
                 if req.logprobs is not None:
                     scored = (ids, result.prompt_logprobs) if result.prompt_logprobs else None
-                    logprobs = bodies.legacy_logprobs(token_text, events, len(prefix(i)), scored)
+                    logprobs = bodies.legacy_logprobs(shown, events, len(prefix(i)), scored)
                 choices.append(
                     bodies.completion_choice(
                         i,
@@ -228,8 +222,8 @@ def router(
                             continue
                         lp = None
                         if req.logprobs is not None and item.token_id >= 0:
-                            lp = bodies.legacy_logprobs(token_text, [item], offset)
-                            offset += len(runtime.token_text(item.token_id))
+                            lp = bodies.legacy_logprobs(shown, [item], offset)
+                            offset += len(shown(item.token_id))
                         # A token whose text is not whole yet still has its id to report.
                         if not item.text and lp is None and not req.return_token_ids:
                             continue
@@ -249,6 +243,7 @@ def router(
         model_name = req.model or served
         metrics.requests.labels("/v1/chat/completions", model_name).inc()
         adapter = await _resolve(runtime, dialect, req.model, req.lora_path)
+        shown = bodies.token_namer(token_text, req.return_tokens_as_token_ids)
         try:
             prompt = runtime.render_chat(_chat_messages(req), req.add_generation_prompt)
         except Exception as exc:  # jinja errors: vLLM answers 400
@@ -278,7 +273,7 @@ def router(
                 created,
                 model_name,
                 result,
-                bodies.chat_logprobs(token_text, events) if req.logprobs else None,
+                bodies.chat_logprobs(shown, events) if req.logprobs else None,
                 (ids, result.token_ids) if req.return_token_ids else None,
             )
 
@@ -308,7 +303,7 @@ def router(
                         continue
                     lp = None
                     if req.logprobs and item.token_id >= 0:
-                        lp = bodies.chat_logprobs(token_text, [item])
+                        lp = bodies.chat_logprobs(shown, [item])
                     if not item.text and lp is None:
                         continue
                     yield chunk({"content": item.text}, logprobs=lp)

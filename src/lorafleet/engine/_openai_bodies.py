@@ -22,6 +22,7 @@ __all__ = [
     "finish",
     "legacy_logprobs",
     "model_card",
+    "token_namer",
     "usage",
 ]
 
@@ -42,6 +43,12 @@ def usage(result: GenResult) -> dict:
 def finish(result: GenResult) -> str:
     """OpenAI's ``finish_reason``: an aborted generation reports "stop", as vLLM's does."""
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def token_namer(token_text: TokenText, as_ids: bool | None) -> TokenText:
+    """How logprobs name a token: its text, or (``return_tokens_as_token_ids``, as vLLM's)
+    ``"token_id:<id>"``, which offsets then count as vLLM's do."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else token_text
 
 
 def legacy_logprobs(

@@ -47,6 +47,8 @@ class _SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     ignore_eos: bool | None = False  # vLLM's extra sampling parameter
+    # vLLM's: logprobs name each token "token_id:<id>" (AReaL reads the id back from it).
+    return_tokens_as_token_ids: bool | None = False
     # SGLang's OpenAI routes also take the adapter as ``lora_path`` in the body.
     lora_path: str | None = None
 
@@ -57,7 +59,6 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
-    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token:<id>"
 
 
 class ChatMessage(_Open):

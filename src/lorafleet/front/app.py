@@ -12,7 +12,12 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.routing import APIRoute
 
-from lorafleet._service import JsonBodyLimit, install_error_handlers, service_app
+from lorafleet._service import (
+    JsonBodyLimit,
+    finish_openapi,
+    install_error_handlers,
+    service_app,
+)
 from lorafleet.front.dialects import DIALECTS
 from lorafleet.front.dialects.skyrl import UPLOAD_PREFIX
 from lorafleet.front.forward import GENERATION_BODY_LIMIT
@@ -61,4 +66,5 @@ def create_app(cfg: FrontConfig) -> FastAPI:
         ]
         taken |= {(r.path, m) for r in router.routes if isinstance(r, APIRoute) for m in r.methods}
         app.include_router(router)
+    finish_openapi(app)
     return app

@@ -4,25 +4,30 @@ Every trainer dialect forwards generation the same way: the body goes to the rou
 the same name with the router's API key, a trainer's versioned name (``trl-policy-v7``) becomes
 the router's pin (``trl-policy@v7``), and the answer (stream or not) names the model as the
 trainer sent it. lorafleet's version headers and error code pass through.
+
+``forward_gated`` adds the pause of ``lorafleet.front.gate``: held while paused, and a
+non-streaming request a pause aborts is answered with the dialect's own aborted answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorafleet._service import read_json
 from lorafleet.errors import EngineUnavailable, InvalidRequest
+from lorafleet.front.gate import Aborted
 from lorafleet.front.service import Front
 from lorafleet.protocol.errors import ERROR_CODE_HEADER
 from lorafleet.protocol.router import ADAPTER_HEADER, REPLICA_HEADER, SESSION_HEADER, VERSION_HEADER
 
-__all__ = ["GENERATION_BODY_LIMIT", "forward_generation", "read_object"]
+__all__ = ["GENERATION_BODY_LIMIT", "forward_gated", "forward_generation", "read_object"]
 
 GENERATION_BODY_LIMIT = 64 << 20
 # The session pins a rollout to one version; a client's request id is passed on for its logs.
@@ -86,6 +91,39 @@ async def forward_generation(
     if rename is not None:
         raw = _rename_whole(raw, *rename, ok=resp.status_code == 200)
     return Response(raw, status_code=resp.status_code, headers=out_headers, media_type=ctype)
+
+
+async def forward_gated(
+    front: Front,
+    request: Request,
+    body: dict,
+    aborted: Callable[[dict], dict],
+    *,
+    path: str | None = None,
+    model_field: str = "model",
+    rid: str | None = None,
+) -> Response:
+    """``forward_generation`` through the front's gate; ``aborted(body as the trainer sent it)``
+    is the answer when a pause cuts the request off. ``rid``: the request's id at the router,
+    whose ``/abort_request`` then ends it with its partial answer instead. A stream is held
+    while paused, never aborted (its answer has begun): it runs to its end."""
+    sent = copy.deepcopy(body)
+
+    async def abort_at_router() -> None:
+        headers = {"authorization": f"Bearer {front.cfg.api_key}"} if front.cfg.api_key else {}
+        r = await front.http.post(
+            front.router_url + "/abort_request", json={"rid": rid}, headers=headers, timeout=10
+        )
+        r.raise_for_status()
+
+    try:
+        return await front.gate.run(
+            lambda: forward_generation(front, request, body, path=path, model_field=model_field),
+            abortable=not body.get("stream"),
+            abort=abort_at_router if rid is not None else None,
+        )
+    except Aborted:
+        return JSONResponse(aborted(sent))
 
 
 def _rename_whole(raw: bytes, routed: bytes, sent: bytes, *, ok: bool) -> bytes:

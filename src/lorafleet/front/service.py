@@ -35,6 +35,7 @@ from lorafleet.errors import (
     ServiceError,
     TransportError,
 )
+from lorafleet.front.gate import GenerationGate
 from lorafleet.front.names import DEFAULT_PATTERN, NameMap, TrainerName
 from lorafleet.front.uploads import SkyRLUploads, UploadDirLimits
 from lorafleet.protocol.agent import AgentInfo
@@ -109,6 +110,8 @@ class Front:
         self.router = AsyncRouterClient(cfg.router, cfg.fleet_token, client=self.http)
         self.router_url = cfg.router.rstrip("/")
         self.paused = False
+        # AReaL's pause: holds this front's generation and aborts what is in flight (front.gate).
+        self.gate = GenerationGate()
         # What trainers loaded, under their own names: (name, version) -> (lora_name, lora_path).
         self.loaded: dict[tuple[str, int], tuple[str, str]] = {}
         # Versions a trainer unloaded that are still in the router's window: refused here.
@@ -329,6 +332,11 @@ class Front:
     async def _publish(
         self, lora_name: str, path: Path, transfer: str, *, shown: str, record: bool = True
     ) -> PublishResult:
+        if self.names.is_base(lora_name):
+            raise InvalidRequest(
+                f"{lora_name!r} is version 0, the base model: it is served without loading",
+                param="lora_name",
+            )
         tn = self.names.parse(lora_name)
         try:
             result = await self.publisher.apublish(
@@ -540,6 +548,8 @@ class Front:
         for a version a trainer unloaded."""
         if not isinstance(model, str):
             return None
+        if self.names.is_base(model):
+            return str((await self.base_model())["id"])
         tn = self.names.parse(model)
         if tn.version is None:
             return None
@@ -550,6 +560,16 @@ class Front:
         if (tn.name, tn.version) in self.retired:
             raise AdapterNotFound(f"The model `{model}` does not exist.", param="model")
         return NameMap.router_model(TrainerName(tn.name, tn.version))
+
+    async def route_lora_path(self, lora_path: object) -> object:
+        """SGLang's ``lora_path`` (one name, or one per prompt of a batch) for the router: each
+        versioned name becomes its pin, version 0 becomes None (the base model)."""
+        if isinstance(lora_path, list):
+            return [await self.route_lora_path(p) for p in lora_path]
+        if self.names.is_base(lora_path):
+            return None
+        routed = await self.route_model(lora_path)
+        return lora_path if routed is None else routed
 
 
 @contextlib.contextmanager

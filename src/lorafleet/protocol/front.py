@@ -13,21 +13,50 @@ Field names are vLLM's (``lora_name``, ``lora_path``, ``load_inplace``), modelle
 them (every field optional, so that a missing one is vLLM's own refusal; the reference engine takes
 them so), and ``FrontLoadRequest`` / ``FrontUnloadRequest`` the same bodies with the front's bounds.
 Unknown fields are ignored, as vLLM ignores them.
+AReaL's vLLM server adds (``--dialect vllm``)::
+
+    POST /areal_pause_generation, /areal_continue_generation      AReaL's pause (front.gate)
+
+The SGLang dialect (``--dialect sglang``) answers one SGLang 0.5.23 server's, with its names::
+
+    GET  /health, /health_generate, /model_info, /get_model_info, /server_info, /v1/models
+    POST /pause_generation                                        PauseGenerationRequest
+    POST /continue_generation                                     ContinueGenerationRequest
+    POST /load_lora_adapter                                       SGLangLoadLoRAAdapterRequest
+    POST /unload_lora_adapter                                     SGLangUnloadLoRAAdapterRequest
+    POST /generate, /v1/completions, /v1/chat/completions         forwarded to the router
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PAUSE_MODES",
+    "SGLANG_PAUSE_MODES",
+    "ContinueGenerationRequest",
     "FrontLoadRequest",
     "FrontUnloadRequest",
     "LoadLoRAAdapterRequest",
+    "PauseGenerationRequest",
+    "SGLangLoRAUpdateOutput",
+    "SGLangLoadLoRAAdapterRequest",
+    "SGLangPauseMode",
+    "SGLangUnloadLoRAAdapterRequest",
     "UnloadLoRAAdapterRequest",
 ]
 
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+SGLangPauseMode = Literal["abort", "retract", "in_place"]
+SGLANG_PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -62,3 +91,41 @@ class FrontUnloadRequest(UnloadLoRAAdapterRequest):
 
     model_config = ConfigDict(extra="ignore")
     lora_name: str = Field(min_length=1, max_length=200)  # type: ignore[assignment]
+
+
+# -- SGLang's bodies (sglang.srt.managers.io_struct, 0.5.23): its field names and defaults. --------
+
+
+class PauseGenerationRequest(_Model):
+    """``POST /pause_generation``: ``abort`` (SGLang's default) ends what is in flight."""
+
+    mode: SGLangPauseMode = "abort"
+
+
+class ContinueGenerationRequest(_Model):
+    torch_empty_cache: bool = True
+    """Accepted and ignored: the front holds no accelerator memory."""
+
+
+class SGLangLoadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False
+    """Accepted and ignored: the retention window decides what stays loaded."""
+    lora_id: str | None = Field(default=None, max_length=200)
+
+
+class SGLangUnloadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_id: str | None = Field(default=None, max_length=200)
+
+
+class SGLangLoRAUpdateOutput(BaseModel):
+    """SGLang's answer to a load or unload (``LoRAUpdateOutput``): what is loaded, name -> path.
+    A refusal has ``success: false`` and lorafleet's ``error`` envelope beside it."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None

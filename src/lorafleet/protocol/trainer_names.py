@@ -3,7 +3,8 @@
 A trainer that loads ``trl-policy-v7`` publishes lorafleet name ``trl-policy`` version 7 (the
 pattern is configurable); a name the pattern does not match (prime-rl reloads one name every
 step) is the next version of that name. Generation addresses the router's pins: ``trl-policy-v7``
-becomes ``trl-policy@v7``.
+becomes ``trl-policy@v7``. Version 0 is the base model (AReaL's ``policy-v0`` names the weights
+its servers started with): it is never loaded, and generation for it goes to the base model.
 
 One rule for every place that reads a trainer's name: the fronts (a load, a ``model``) and the
 router (SGLang's ``lora_path`` on native ``/generate``, with the default pattern).
@@ -49,6 +50,13 @@ class NameMap:
         if version < 1:
             return TrainerName(lora_name, None)
         return TrainerName(m.group("name"), version)
+
+    def is_base(self, lora_name: object) -> bool:
+        """Whether ``lora_name`` is version 0 of a name (``policy-v0``): the base model."""
+        if not isinstance(lora_name, str):
+            return False
+        m = self.regex.match(lora_name)
+        return m is not None and bool(m.group("name")) and int(m.group("version")) == 0
 
     @staticmethod
     def router_model(name: TrainerName) -> str:

@@ -792,6 +792,8 @@ def _check_translatable(req: GenerateRequest, item: GenerateItem, kind: str) -> 
         value = getattr(sp, k)
         if kind == "vllm" and k in _VLLM_FIELDS:
             continue
+        if k == "top_k" and _keeps_every_token(value):
+            continue
         ok = value is None if allowed is None else value in allowed
         if not ok:
             raise InvalidRequest(
@@ -800,10 +802,16 @@ def _check_translatable(req: GenerateRequest, item: GenerateItem, kind: str) -> 
             )
 
 
+def _keeps_every_token(top_k: object) -> bool:
+    """A top_k no vocabulary reaches samples from all of it, as no top_k does (AReaL sends 1e8)."""
+    return isinstance(top_k, int) and top_k >= 1 << 24
+
+
 def _token_id(tok: str) -> int | None:
-    if isinstance(tok, str) and tok.startswith("token:"):
+    # vLLM's return_tokens_as_token_ids names a token "token_id:<id>" (format_token_id_placeholder).
+    if isinstance(tok, str) and tok.startswith("token_id:"):
         with contextlib.suppress(ValueError):
-            return int(tok[6:])
+            return int(tok[9:])
     return None
 
 

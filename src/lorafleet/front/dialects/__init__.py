@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter
 from fastapi.params import Depends
 
-from lorafleet.front.dialects import skyrl, vllm
+from lorafleet.front.dialects import sglang, skyrl, vllm
 from lorafleet.front.service import Front
 
 __all__ = ["DIALECTS", "Dialect", "RouteGroup"]
@@ -35,12 +35,15 @@ class Dialect:
 DIALECTS: dict[str, Dialect] = {
     d.name: d
     for d in (
-        Dialect("vllm", "one vLLM server's API (TRL, prime-rl)", (vllm.routes,)),
+        Dialect(
+            "vllm", "one vLLM server's API (TRL, prime-rl, AReaL)", (vllm.routes, vllm.areal_routes)
+        ),
         # SkyRL's group first: where both groups have a path, the first included wins.
         Dialect(
             "skyrl",
             "SkyRL's inference server (RemoteInferenceClient)",
             (skyrl.routes, vllm.routes),
         ),
+        Dialect("sglang", "one SGLang server's API (AReaL)", (sglang.routes,)),
     )
 }

@@ -3,23 +3,32 @@
 Loads are lorafleet publications (``trl-policy-v7`` is version 7 of ``trl-policy``); unloads
 retire a version; generation goes through the router. Pause and resume are acknowledged only:
 lorafleet's loads are atomic flips, so generation keeps flowing and nothing needs freezing.
+
+``areal_routes`` adds what AReaL's own vLLM server (``areal.engine.vllm_ext``) adds to vLLM's:
+``/areal_pause_generation`` aborts the generations in flight through this front (they answer
+with finish reason ``abort``) and holds new ones until ``/areal_continue_generation``, as that
+server does (``lorafleet.front.gate``).
 """
 
 from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.params import Depends
 from fastapi.responses import PlainTextResponse, Response
 
-from lorafleet._service import streamed_ok
+from lorafleet._service import errors, streamed_ok
 from lorafleet.errors import InvalidRequest
 from lorafleet.front.dialects._openapi import route_doc
-from lorafleet.front.forward import forward_generation, read_object
+from lorafleet.front.forward import forward_gated, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import PAUSE_MODES, FrontLoadRequest, FrontUnloadRequest
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
 
-__all__ = ["routes"]
+__all__ = ["aborted_chat", "aborted_completion", "areal_routes", "openai_generate", "routes"]
 
 
 def routes(front: Front, control: Depends) -> APIRouter:
@@ -82,12 +91,93 @@ def routes(front: Front, control: Depends) -> APIRouter:
             **route_doc(FrontUnloadRequest, *control_errors, 503, text_ok=True),
         )(unload)
 
-    async def generate(request: Request) -> Response:
-        return await forward_generation(front, request, await read_object(request))
-
     openai_body = {"type": "object"}
     streamed = streamed_ok("The router's answer, tagged (JSON, or events when stream is true)")
     for path in ("/v1/completions", "/v1/chat/completions"):
         doc = route_doc(openai_body, 409, 413, 502, 503, relayed=(400, 403, 404), ok=streamed)
-        r.post(path, **doc)(generate)
+        r.post(path, **doc)(openai_generate(front))
     return r
+
+
+def openai_generate(front: Front) -> Callable[[Request], Awaitable[Response]]:
+    """The route that forwards OpenAI generation to the router's path of the same name."""
+
+    async def generate(request: Request) -> Response:
+        aborted = aborted_chat if request.url.path.endswith("/chat/completions") else None
+        return await forward_gated(
+            front, request, await read_object(request), aborted or aborted_completion
+        )
+
+    return generate
+
+
+def areal_routes(front: Front, control: Depends) -> APIRouter:
+    """AReaL's vLLM server routes: its pause and continue (``RemotevLLMEngine``)."""
+    r = APIRouter()
+    ctl = [control]
+
+    @r.post("/areal_pause_generation", dependencies=ctl, responses=errors(401, 403))
+    async def areal_pause() -> dict:
+        report = await front.gate.pause("abort")
+        return {
+            "success": True,
+            "message": "Generation paused and all requests aborted",
+            "lorafleet": report.words(),
+        }
+
+    @r.post("/areal_continue_generation", dependencies=ctl, responses=errors(401, 403))
+    async def areal_continue() -> dict:
+        front.gate.resume()
+        return {"success": True, "message": "Generation continued"}
+
+    return r
+
+
+def _usage(prompt: object) -> dict:
+    n = len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else 0
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+
+
+def aborted_completion(body: dict) -> dict:
+    """vLLM's ``/v1/completions`` answer for a request aborted before it produced output."""
+    logprobs = None
+    if body.get("logprobs") is not None:
+        logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    choice = {
+        "index": 0,
+        "text": "",
+        "logprobs": logprobs,
+        "finish_reason": "abort",
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = []
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": _usage(body.get("prompt")),
+    }
+
+
+def aborted_chat(body: dict) -> dict:
+    """vLLM's ``/v1/chat/completions`` answer for a request aborted before any output."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "", "tool_calls": []},
+                "logprobs": {"content": []} if body.get("logprobs") else None,
+                "finish_reason": "abort",
+                "stop_reason": None,
+            }
+        ],
+        "usage": _usage(None),
+    }
