@@ -7,6 +7,8 @@ string; the same string is sent in the ``X-Lorafleet-Error-Code`` header.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel
 
 __all__ = [
@@ -21,77 +23,55 @@ __all__ = [
 ERROR_CODE_HEADER = "X-Lorafleet-Error-Code"
 
 
-class ErrorCode:
-    """Stable error codes. Each maps to exactly one HTTP status in ``STATUS_BY_CODE``."""
+class ErrorCode(StrEnum):
+    """Stable error codes, each with its one HTTP status: a new code is one line here (and its
+    exception class in ``lorafleet.errors``); the status table, the error docs and every route's
+    documented statuses are derived from it."""
 
-    INVALID_REQUEST = "invalid_request"
-    INVALID_NAME = "invalid_name"
-    UNAUTHORIZED = "unauthorized"
-    FORBIDDEN = "forbidden"
-    NOT_FOUND = "not_found"
-    UPLOAD_NOT_FOUND = "upload_not_found"
-    ADAPTER_NOT_FOUND = "adapter_not_found"
-    VERSION_NOT_ROUTABLE = "version_not_routable"
-    STALE_VERSION = "stale_version"
-    FILE_NOT_ALLOWED = "file_not_allowed"
-    PATH_ESCAPE = "path_escape"
-    PATH_NOT_ALLOWED = "path_not_allowed"
-    ADAPTER_CONFLICT = "adapter_conflict"
-    VERSION_CONFLICT = "version_conflict"
-    PUBLISH_IN_PROGRESS = "publish_in_progress"
-    UPLOAD_INCOMPLETE = "upload_incomplete"
-    OFFSET_MISMATCH = "offset_mismatch"
-    FILE_TOO_LARGE = "file_too_large"
-    BODY_TOO_LARGE = "body_too_large"
-    SIZE_EXCEEDED = "size_exceeded"
-    QUOTA_EXCEEDED = "quota_exceeded"
-    SIZE_MISMATCH = "size_mismatch"
-    DIGEST_MISMATCH = "digest_mismatch"
-    ADAPTER_INVALID = "adapter_invalid"
-    ENGINE_REJECTED = "engine_rejected"
-    ADAPTER_NOT_APPLIED = "adapter_not_applied"
-    ENGINE_UNAVAILABLE = "engine_unavailable"
-    NO_REPLICA = "no_replica"
-    UNKNOWN_REPLICA = "unknown_replica"
-    STREAM_INTERRUPTED = "stream_interrupted"
-    TRANSFER_STALLED = "transfer_stalled"
-    INTERNAL = "internal_error"
+    status: int
+
+    def __new__(cls, value: str, status: int) -> ErrorCode:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.status = status
+        return member
+
+    INVALID_REQUEST = "invalid_request", 400
+    INVALID_NAME = "invalid_name", 400
+    UNAUTHORIZED = "unauthorized", 401
+    FORBIDDEN = "forbidden", 403
+    NOT_FOUND = "not_found", 404
+    UPLOAD_NOT_FOUND = "upload_not_found", 404
+    ADAPTER_NOT_FOUND = "adapter_not_found", 404
+    VERSION_NOT_ROUTABLE = "version_not_routable", 404
+    STALE_VERSION = "stale_version", 409
+    FILE_NOT_ALLOWED = "file_not_allowed", 400
+    PATH_ESCAPE = "path_escape", 400
+    PATH_NOT_ALLOWED = "path_not_allowed", 403
+    ADAPTER_CONFLICT = "adapter_conflict", 409
+    VERSION_CONFLICT = "version_conflict", 409
+    PUBLISH_IN_PROGRESS = "publish_in_progress", 409
+    UPLOAD_INCOMPLETE = "upload_incomplete", 409
+    OFFSET_MISMATCH = "offset_mismatch", 409
+    FILE_TOO_LARGE = "file_too_large", 413
+    BODY_TOO_LARGE = "body_too_large", 413
+    SIZE_EXCEEDED = "size_exceeded", 413
+    QUOTA_EXCEEDED = "quota_exceeded", 507
+    SIZE_MISMATCH = "size_mismatch", 422
+    DIGEST_MISMATCH = "digest_mismatch", 422
+    ADAPTER_INVALID = "adapter_invalid", 422
+    ENGINE_REJECTED = "engine_rejected", 502
+    ADAPTER_NOT_APPLIED = "adapter_not_applied", 502
+    ENGINE_UNAVAILABLE = "engine_unavailable", 503
+    NO_REPLICA = "no_replica", 503
+    UNKNOWN_REPLICA = "unknown_replica", 409
+    STREAM_INTERRUPTED = "stream_interrupted", 502
+    TRANSFER_STALLED = "transfer_stalled", 408
+    INTERNAL = "internal_error", 500
 
 
-STATUS_BY_CODE: dict[str, int] = {
-    ErrorCode.INVALID_REQUEST: 400,
-    ErrorCode.INVALID_NAME: 400,
-    ErrorCode.FILE_NOT_ALLOWED: 400,
-    ErrorCode.PATH_ESCAPE: 400,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.FORBIDDEN: 403,
-    ErrorCode.PATH_NOT_ALLOWED: 403,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.UPLOAD_NOT_FOUND: 404,
-    ErrorCode.ADAPTER_NOT_FOUND: 404,
-    ErrorCode.VERSION_NOT_ROUTABLE: 404,
-    ErrorCode.TRANSFER_STALLED: 408,
-    ErrorCode.STALE_VERSION: 409,
-    ErrorCode.ADAPTER_CONFLICT: 409,
-    ErrorCode.VERSION_CONFLICT: 409,
-    ErrorCode.PUBLISH_IN_PROGRESS: 409,
-    ErrorCode.UPLOAD_INCOMPLETE: 409,
-    ErrorCode.OFFSET_MISMATCH: 409,
-    ErrorCode.UNKNOWN_REPLICA: 409,
-    ErrorCode.FILE_TOO_LARGE: 413,
-    ErrorCode.BODY_TOO_LARGE: 413,
-    ErrorCode.SIZE_EXCEEDED: 413,
-    ErrorCode.SIZE_MISMATCH: 422,
-    ErrorCode.DIGEST_MISMATCH: 422,
-    ErrorCode.ADAPTER_INVALID: 422,
-    ErrorCode.ENGINE_REJECTED: 502,
-    ErrorCode.ADAPTER_NOT_APPLIED: 502,
-    ErrorCode.STREAM_INTERRUPTED: 502,
-    ErrorCode.ENGINE_UNAVAILABLE: 503,
-    ErrorCode.NO_REPLICA: 503,
-    ErrorCode.INTERNAL: 500,
-    ErrorCode.QUOTA_EXCEEDED: 507,
-}
+STATUS_BY_CODE: dict[str, int] = {code.value: code.status for code in ErrorCode}
+"""code -> HTTP status, for clients that hold a code as a plain string."""
 
 
 class ErrorInfo(BaseModel):
