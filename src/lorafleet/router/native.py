@@ -867,9 +867,10 @@ def _check_translatable(req: GenerateRequest, item: GenerateItem, kind: str) -> 
 
 
 def _token_id(tok: str) -> int | None:
-    if isinstance(tok, str) and tok.startswith("token:"):
+    # vLLM's return_tokens_as_token_ids names a token "token_id:<id>" (format_token_id_placeholder).
+    if isinstance(tok, str) and tok.startswith("token_id:"):
         with contextlib.suppress(ValueError):
-            return int(tok[6:])
+            return int(tok[9:])
     return None
 
 
