@@ -60,7 +60,7 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _as_ids(token_id: int) -> str:
-    return f"token_id:{token_id}"
+    return f"token:{token_id}"
 
 
 def router(
@@ -101,7 +101,7 @@ def router(
     async def completions(req: CompletionRequest) -> Any:
         model_name = req.model or served
         # vLLM's return_tokens_as_token_ids: logprob tokens (and their alternatives) as
-        # "token_id:<id>", so a client can tell apart tokens whose text is the same.
+        # "token:<id>", so a client can tell apart tokens whose text is the same.
         token_text = _as_ids if req.return_tokens_as_token_ids else runtime.token_text
         metrics.requests.labels("/v1/completions", model_name).inc()
         adapter = await _resolve(runtime, dialect, req.model, req.lora_path)

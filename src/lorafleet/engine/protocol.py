@@ -54,7 +54,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
-    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token_id:<id>"
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token:<id>"
 
 
 class ChatMessage(_Open):
