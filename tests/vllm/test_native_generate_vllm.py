@@ -26,7 +26,7 @@ def _vllm_own(url: str, model: str, top: int, **sp) -> dict:
     lp = c["logprobs"]
 
     def tid(t: str) -> int:
-        return int(t.removeprefix("token:"))
+        return int(t.removeprefix("token_id:"))
 
     return {
         "text": c["text"],
@@ -65,6 +65,29 @@ def test_native_generate_on_vllm_is_vllms_answer_in_sglangs_shape(
         assert meta["weight_version"] == "1" and out["lorafleet"]["version"] == 1
         assert meta["finish_reason"] == {"type": "length", "length": 6}
         assert meta["prompt_tokens"] == len(IDS)
+        # Prompt logprobs (logprob_start_len): vLLM's own echo, from position 1, top 2.
+        echo = {"model": f"{name}@v1", "prompt": IDS, "max_tokens": 1, "temperature": 0,
+                "echo": True, "logprobs": 2, "return_tokens_as_token_ids": True}  # fmt: skip
+        lp = httpx.post(vllm_server.url + "/v1/completions", json=echo, timeout=60).json()
+        lp = lp["choices"][0]["logprobs"]
+        r = httpx.post(router.url + "/generate", json={**body, "logprob_start_len": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()["meta_info"]
+        want_in = [
+            [v, int(t.removeprefix("token_id:")), None]
+            for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
+        ][1:4]
+        want_in[0][0] = None
+        assert got["input_token_logprobs"] == want_in
+        want_top = [
+            [
+                [v, int(t.removeprefix("token_id:")), None]
+                for t, v in sorted(d.items(), key=lambda x: -x[1])[:2]
+            ]
+            for d in lp["top_logprobs"][1:4]
+        ]
+        want_top[0] = None
+        assert got["input_top_logprobs"] == want_top
         # Streamed: cumulative frames, the last one the whole answer.
         with httpx.stream("POST", router.url + "/generate", json={**body, "stream": True},
                           timeout=60) as s:  # fmt: skip
