@@ -43,7 +43,7 @@ def create_app(cfg: FrontConfig) -> FastAPI:
         client = request.client.host if request.client else None
         front.check_control(request.headers.get("authorization"), client)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Up (empty)"}})
     async def health() -> Response:
         return Response(status_code=200)
 
