@@ -94,6 +94,27 @@ def test_ids_with_logprobs_equal_the_engines_answer(routed, fleet):
     assert meta["weight_versions"] == [{"version": "1", "start": 0, "end": 6}]
 
 
+def test_prompt_logprobs_from_logprob_start_len(routed, fleet):
+    echo = {
+        "model": "nat@v1", "prompt": IDS, "max_tokens": 1, "temperature": 0, "echo": True,
+        "logprobs": 0, "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+    lp = httpx.post(fleet.engines[0].url + "/v1/completions", json=echo, timeout=60).json()
+    lp = lp["choices"][0]["logprobs"]
+    scored = [
+        [v, int(t[6:]), None] for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
+    ]
+    for start in (0, 2):
+        r = gen(
+            routed, input_ids=IDS, return_logprob=True, logprob_start_len=start, lora_path="nat"
+        )
+        assert r.status_code == 200, r.text
+        got = r.json()["meta_info"]["input_token_logprobs"]
+        want = [list(x) for x in scored[start : len(IDS)]]
+        want[0][0] = None  # SGLang lists the first position of the range without a logprob
+        assert got == want, (start, got, want)
+
+
 def test_stream_is_cumulative_and_ends_with_the_whole_answer(routed, fleet):
     want = engine_answer(fleet, "nat@v1", IDS, 0)
     body = {"input_ids": IDS, "sampling_params": SP, "return_logprob": True, "stream": True,
@@ -151,7 +172,15 @@ def test_batch_text_mixed_adapters_in_order(routed, fleet):
     ("body", "param"),
     [
         ({"sampling_params": SP}, None),
-        ({"input_ids": IDS, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+        (
+            {
+                "input_ids": IDS,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 2,
+            },
+            "logprob_start_len",
+        ),
         ({"input_ids": IDS, "sampling_params": {"top_k": 5}}, "sampling_params.top_k"),
         ({"input_ids": IDS, "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"input_ids": IDS, "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),

@@ -42,8 +42,22 @@ def normalize_lora_keys(keys_to_values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def peft_config_dict(peft_config: Any) -> dict[str, Any]:
-    """A JSON-safe dict of a ``peft.LoraConfig`` (sets → sorted lists, enums → values)."""
-    raw = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
+    """A JSON-safe dict of what PEFT hands over: a ``peft.LoraConfig`` or its ``to_dict()``
+    (sets → sorted lists, enums such as ``PeftType.LORA`` → their values, tuples → lists).
+
+    Every bundle's config passes through here once, when the bundle is built, so the checks,
+    the manifest and the adapter_config.json all see ``"LORA"``, never ``PeftType.LORA``.
+    Raises ``ManifestInvalid`` for anything that is neither a mapping nor has ``to_dict()``.
+    """
+    if hasattr(peft_config, "to_dict") and not isinstance(peft_config, Mapping):
+        raw = peft_config.to_dict()
+    elif isinstance(peft_config, Mapping):
+        raw = dict(peft_config)
+    else:
+        raise ManifestInvalid(
+            f"config must be a PEFT config dict or a peft.LoraConfig, not "
+            f"{type(peft_config).__name__}"
+        )
 
     def clean(v: Any) -> Any:
         if isinstance(v, set | frozenset):
@@ -194,7 +208,7 @@ class AdapterBundle:
         name: str,
         version: int = 1,
         base_model: str | None = None,
-        config: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | Any | None = None,
     ) -> AdapterBundle:
         """A bundle of a PEFT directory. ``config`` makes a native-only directory publishable.
 
@@ -225,6 +239,7 @@ class AdapterBundle:
             sources[ADAPTER_CONFIG] = cfg_path
             digests[ADAPTER_CONFIG] = sha256_file(cfg_path)
         else:
+            config = peft_config_dict(config)
             blob = _config_bytes(config)
             sources[ADAPTER_CONFIG] = blob
             digests[ADAPTER_CONFIG] = (sha256_bytes(blob), len(blob))
@@ -242,17 +257,19 @@ class AdapterBundle:
     def from_state_dict(
         cls,
         tensors: Mapping[str, Any],
-        config: Mapping[str, Any],
+        config: Mapping[str, Any] | Any,
         *,
         name: str,
         version: int = 1,
         base_model: str | None = None,
     ) -> AdapterBundle:
-        """A bundle from LoRA tensors plus a PEFT config dict, serialized in memory.
+        """A bundle from LoRA tensors plus a PEFT config (a dict, ``LoraConfig.to_dict()``'s
+        enums and sets included, or a ``peft.LoraConfig``), serialized in memory.
 
         Covers native-only checkpoints (no adapter_config.json). Keys may carry PEFT's adapter
         segment (``lora_A.default.weight``); it is dropped, as ``save_pretrained`` does.
         """
+        config = peft_config_dict(config)
         tensors = normalize_lora_keys(tensors)
         shapes = {k: list(v.shape) for k, v in tensors.items()}
         if tensors and hasattr(next(iter(tensors.values())), "detach"):
@@ -307,7 +324,7 @@ class AdapterBundle:
         *,
         name: str,
         version: int = 1,
-        config: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | Any | None = None,
         base_model: str | None = None,
     ) -> AdapterBundle:
         """Dispatch on ``source``: a bundle, a directory path, a PeftModel, or a state dict."""

@@ -155,7 +155,7 @@ class AsyncPublisher:
         version: int | None = None,
         mode: Mode | None = None,
         transfer: Transfer | None = None,
-        config: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | Any | None = None,
         base_model: str | None = None,
         max_rank: int | None = None,
         keep_versions: int = 1,
@@ -179,7 +179,9 @@ class AsyncPublisher:
         carrier's name. None: ``default_transfer()`` (relay when the agents span hosts).
 
         ``source``: an ``AdapterBundle``, a PEFT directory, a ``PeftModel`` (serialized in memory)
-        or a LoRA state dict with ``config=`` (a native-only checkpoint). ``version=None`` takes
+        or a LoRA state dict with ``config=`` (a native-only checkpoint: a PEFT config dict, as
+        ``peft_config["default"].to_dict()`` gives it, enums and sets included, or a
+        ``peft.LoraConfig``). ``version=None`` takes
         the next version after the active one.
 
         Raises ``VersionConflict`` for a version that is not newer than the active one,

@@ -9,6 +9,7 @@ The OpenAPI document covers both: FastAPI's routes declare every status they ans
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from lorafleet.protocol.router import (
     RouterHealth,
     SetAliasRequest,
 )
+from lorafleet.protocol.sglang import GenerateRequest
 from lorafleet.router import sglang_api
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.health import HealthPoller
@@ -459,7 +461,9 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             ["messages"],
         ),
         "/generate": (
-            "Native token-id generation: {model, token_ids, sampling_params}",
+            "Native generation: SkyRL's {model, token_ids, sampling_params}, or SGLang's "
+            "{text | input_ids, sampling_params, lora_path, return_logprob, stream, rid, ...} "
+            "(router/native.py)",
             {
                 "model": model,
                 "token_ids": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
@@ -468,14 +472,22 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
             ["token_ids"],
         ),
     }
+    sglang = GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    for k, v in sglang.pop("$defs", {}).items():
+        schemas.setdefault(k if k != "SamplingParams" else "SGLangSamplingParams", v)
+    sglang_ref = {"$ref": "#/components/schemas/SGLangGenerateRequest"}
+    schemas["SGLangGenerateRequest"] = json.loads(
+        json.dumps(sglang).replace(
+            "#/components/schemas/SamplingParams", "#/components/schemas/SGLangSamplingParams"
+        )
+    )
     statuses = [400, 404, 413, 502, 503, *((401, 403) if keyed else ())]
     for path, (summary, props, required) in bodies.items():
+        plain = {"type": "object", "properties": props, "required": required}
         ok = streamed_ok(
             "The engine's answer, tagged with the version (a lorafleet field in the JSON body, "
             "or one extra chunk before data: [DONE] in a stream)"
         )
-        if path == "/generate":  # token ids in, one JSON answer out: never a stream
-            del ok["content"]["text/event-stream"]
         responses: dict = {"200": ok}
         for status in sorted(statuses):
             responses[str(status)] = {
@@ -491,7 +503,7 @@ def _document_data_plane(schema: dict, keyed: bool) -> None:
                 "required": True,
                 "content": {
                     "application/json": {
-                        "schema": {"type": "object", "properties": props, "required": required}
+                        "schema": ({"anyOf": [plain, sglang_ref]} if path == "/generate" else plain)
                     }
                 },
             },

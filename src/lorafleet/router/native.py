@@ -225,6 +225,8 @@ class Native:
                 hist, _ = proxy.metrics.children(route.adapter, route.version)
                 hist.observe(time.perf_counter() - t0)
                 proxy.metrics.count(route.adapter, route.version, status)
+                if route.adapter is not None:
+                    proxy.metrics.lag(route.adapter).observe(route.lag)
 
     def _resolve(self, item: GenerateItem, session: str | None) -> Route:
         model = _lora_model(item.lora_path, self.proxy.store.aliases)
@@ -426,11 +428,19 @@ class Native:
         each cumulative answer while it streams (the client's own stream)."""
         body = self._completion_body(req, item, route, replica)
         started = time.perf_counter()
+        prompt_scores = None
+        if item.return_logprob and item.logprob_start_len >= 0:
+            scored = await self._score_prompt(body, item, route, replica)
+            if isinstance(scored, _Answer):
+                return scored
+            prompt_scores = scored
         resp = await self.proxy._send(replica, "/v1/completions", json.dumps(body).encode())
         self.proxy.balancer.succeeded(replica, probe=False)
         live = _Live(item.rid, replica)
         self.live.setdefault(item.rid, set()).add(live)
         acc = _Accumulated(item, req.return_text_in_logprobs)
+        if prompt_scores is not None:
+            acc.input_logprobs, acc.input_top = prompt_scores
         watcher = asyncio.ensure_future(_close_on(live.aborted, resp))
         try:
             if resp.status != 200:
@@ -470,6 +480,52 @@ class Native:
                 if not peers:
                     del self.live[item.rid]
             resp.release()
+
+    async def _score_prompt(
+        self, body: dict, item: GenerateItem, route: Route, replica: Replica
+    ) -> tuple[list, list] | _Answer:
+        """The prompt's logprobs from ``logprob_start_len`` on, as SGLang lists them: the
+        engine echoes the prompt with its logprobs (one request, one token generated and
+        dropped); the first listed position has no logprob, as in SGLang's answer."""
+        top = item.top_logprobs_num
+        score = {
+            "model": body["model"],
+            "prompt": body["prompt"],
+            "max_tokens": 1,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": top,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
+        resp = await self.proxy._send(replica, "/v1/completions", json.dumps(score).encode())
+        try:
+            raw = await resp.read()
+            if resp.status != 200:
+                return _Answer(resp.status, self.proxy._scrub(raw, route, body["model"]), replica)
+            out = json.loads(raw)
+            choice = out["choices"][0]
+            lp = choice["logprobs"]
+            n = len(item.input_ids) if item.input_ids is not None else out["usage"]["prompt_tokens"]
+            tokens, values = lp["tokens"][:n], lp["token_logprobs"][:n]
+            tops = (lp.get("top_logprobs") or [None] * n)[:n]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            return _broke(exc)
+        finally:
+            resp.release()
+        start = item.logprob_start_len
+        ids = [_token_id(t) for t in tokens]
+        logprobs = [[values[k], ids[k], None] for k in range(start, len(ids))]
+        tops_out: list = []
+        for k in range(start, len(ids)):
+            d = tops[k]
+            alts = sorted(((v, _token_id(t)) for t, v in (d or {}).items()), key=lambda x: -x[0])
+            tops_out.append([[v, t, None] for v, t in alts[:top]] if d else None)
+        if logprobs:
+            logprobs[0][0] = None
+            if tops_out:
+                tops_out[0] = None
+        return logprobs, tops_out
 
     # --- streams --------------------------------------------------------------------------------
 
@@ -621,6 +677,8 @@ class _Accumulated:
         self.top: list[list[list[Any]] | None] = []
         self.finish: dict | None = None
         self.prompt_tokens: int | None = None
+        self.input_logprobs: list = []
+        self.input_top: list = []
         self._sent = -1
 
     def feed(self, ev: bytes) -> bytes | None:
@@ -700,11 +758,11 @@ class _Accumulated:
             "num_retractions": 0,
         }
         if item.return_logprob:
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = self.input_logprobs
             meta["output_token_logprobs"] = list(self.logprobs)
             meta["output_token_logprobs_length"] = len(self.logprobs)
             if item.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = []
+                meta["input_top_logprobs"] = self.input_top
                 meta["output_top_logprobs"] = list(self.top)
         n = len(self.ids)
         meta["reasoning_tokens"] = 0
@@ -774,11 +832,21 @@ def _check_translatable(req: GenerateRequest, item: GenerateItem, kind: str) -> 
             continue
         if v not in (None, False, 0, "", [], {}):
             raise InvalidRequest(f"{k} is not supported {where}", param=k)
-    if item.logprob_start_len not in (-1,) and item.return_logprob:
+    if (
+        item.return_logprob
+        and item.logprob_start_len >= 0
+        and item.top_logprobs_num
+        and (kind == "reference")
+    ):
         raise InvalidRequest(
-            f"logprob_start_len {item.logprob_start_len} (prompt logprobs) is not supported "
-            f"{where}; use -1 (output logprobs only)",
+            f"top_logprobs_num with logprob_start_len {item.logprob_start_len} (the prompt's top "
+            f"logprobs) is not supported {where}; the reference engine scores only the prompt's "
+            "own tokens",
             param="logprob_start_len",
+        )
+    if item.logprob_start_len < -1:
+        raise InvalidRequest(
+            "logprob_start_len is -1 or a prompt position", param="logprob_start_len"
         )
     if item.top_logprobs_num and req.return_text_in_logprobs:
         raise InvalidRequest(

@@ -103,7 +103,7 @@ def routes(router: RouterApp, dependencies: list, keyed: tuple[int, ...]) -> API
     async def loads() -> dict:
         return _load(balancer.replicas)
 
-    @api.get("/workers/{replica_id}/v1/loads", responses=errors(404, *keyed))
+    @api.get("/workers/{replica_id}/v1/loads", responses=errors(400, 404, *keyed))
     async def loads_one(replica_id: ReplicaId) -> dict:
         return _load([one(replica_id)])
 
