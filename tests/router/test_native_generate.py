@@ -102,7 +102,8 @@ def test_prompt_logprobs_from_logprob_start_len(routed, fleet):
     lp = httpx.post(fleet.engines[0].url + "/v1/completions", json=echo, timeout=60).json()
     lp = lp["choices"][0]["logprobs"]
     scored = [
-        [v, int(t[6:]), None] for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
+        [v, int(t.removeprefix("token_id:")), None]
+        for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
     ]
     for start in (0, 2):
         r = gen(

@@ -74,12 +74,16 @@ def test_native_generate_on_vllm_is_vllms_answer_in_sglangs_shape(
         assert r.status_code == 200, r.text
         got = r.json()["meta_info"]
         want_in = [
-            [v, int(t[6:]), None] for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
+            [v, int(t.removeprefix("token_id:")), None]
+            for v, t in zip(lp["token_logprobs"], lp["tokens"], strict=True)
         ][1:4]
         want_in[0][0] = None
         assert got["input_token_logprobs"] == want_in
         want_top = [
-            [[v, int(t[6:]), None] for t, v in sorted(d.items(), key=lambda x: -x[1])[:2]]
+            [
+                [v, int(t.removeprefix("token_id:")), None]
+                for t, v in sorted(d.items(), key=lambda x: -x[1])[:2]
+            ]
             for d in lp["top_logprobs"][1:4]
         ]
         want_top[0] = None
