@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from lorafleet._service import (
@@ -50,9 +51,9 @@ def create_app(cfg: FrontConfig) -> FastAPI:
         client = request.client.host if request.client else None
         front.check_control(request.headers.get("authorization"), client)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", response_class=Response, responses={200: {"description": "Up (empty)"}})
+    async def health() -> Response:
+        return Response(status_code=200)
 
     # Where two groups of a dialect answer the same path and method, the first one's route is
     # the only one, served and documented (the SkyRL dialect's unload over the vLLM one's).

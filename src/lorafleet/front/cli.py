@@ -135,7 +135,8 @@ def command(
     upload_ttl: float,
     log_level: str,
 ) -> None:
-    """Speak one vLLM server's API (TRL, prime-rl) over a fleet: loads become publications."""
+    """Speak one inference server's API over a fleet (--dialect vllm: TRL, prime-rl, AReaL;
+    sglang: AReaL): loads become publications."""
     from pathlib import Path
 
     from lorafleet.front.app import create_app

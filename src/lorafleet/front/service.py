@@ -85,7 +85,8 @@ class FrontConfig:
 
 
 class Front:
-    """One vLLM server's behaviour over a fleet. Every method raises ``ServiceError`` only."""
+    """One inference server's behaviour over a fleet, whatever its dialect. Every method raises
+    ``ServiceError`` only."""
 
     def __init__(self, cfg: FrontConfig) -> None:
         if not cfg.shared_dirs:

@@ -509,7 +509,7 @@ class Native:
             n = len(item.input_ids) if item.input_ids is not None else out["usage"]["prompt_tokens"]
             tokens, values = lp["tokens"][:n], lp["token_logprobs"][:n]
             tops = (lp.get("top_logprobs") or [None] * n)[:n]
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             return _broke(exc)
         finally:
             resp.release()

@@ -49,7 +49,9 @@ def routes(front: Front, control: Depends) -> APIRouter:
     r = APIRouter()
     ctl = [control]
 
-    @r.get("/health_generate")
+    @r.get(
+        "/health_generate", response_class=Response, responses={200: {"description": "Up (empty)"}}
+    )
     async def health_generate() -> Response:
         return Response(status_code=200)
 
