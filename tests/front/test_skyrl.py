@@ -317,3 +317,18 @@ def test_skyrl_helper_routes(skyrl_front):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 2
     assert r.json()["lorafleet"]["adapter"] is None
+
+
+def test_restart_clears_staged_uploads(tmp_path):
+    """A front that restarts finds its predecessor's staged uploads and removes them."""
+    from lorafleet.front.uploads import SkyRLUploads
+
+    SkyRLUploads(tmp_path, UploadDirLimits())
+    stale = tmp_path / "skyrl-uploads" / str(uuid.uuid4()) / "staging" / "x.partial"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"half an adapter")
+    keep = tmp_path / "operator-file"  # the upload dir's other contents are not the front's
+    keep.write_text("mine")
+    uploads = SkyRLUploads(tmp_path, UploadDirLimits())
+    assert not stale.exists() and keep.read_text() == "mine"
+    assert list((tmp_path / "skyrl-uploads").iterdir()) == [] and uploads.uploads == {}
