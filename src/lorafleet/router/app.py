@@ -34,7 +34,7 @@ from lorafleet._service import (
 from lorafleet.errors import InvalidRequest, NotFound, UnknownReplica, VersionConflict
 from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.errors import ErrorResponse
-from lorafleet.protocol.names import AdapterName, LeaseHolder
+from lorafleet.protocol.names import AdapterName, LeaseHolder, Version
 from lorafleet.protocol.router import (
     MAX_REPLICA_ID,
     AliasEntry,
@@ -46,10 +46,13 @@ from lorafleet.protocol.router import (
     MoveReplicaRequest,
     ReplicaList,
     ReplicaStatus,
+    Reservation,
+    ReserveRequest,
     RouterHealth,
     SetAliasRequest,
 )
 from lorafleet.router.balancer import Balancer, Replica
+from lorafleet.router.catchup import CatchUp
 from lorafleet.router.health import HealthPoller
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import Proxy
@@ -74,6 +77,9 @@ class RouterConfig:
     """A busy machine can take seconds to answer a probe; that alone does not drop a replica."""
     unhealthy_after: int = 3
     healthy_after: int = 2
+    catch_up_interval_s: float = 1.0
+    """How often the router compares each replica's adapters with the table and feeds a
+    lagging or empty one from a peer (``router/catchup.py``); 0 turns catch-up off."""
     upstream_keepalive_s: float = 2.0
     """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
     which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
@@ -95,6 +101,7 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.proxy: Proxy | None = None
         self.poller: HealthPoller | None = None
+        self.catch_up: CatchUp | None = None
         self.api = _build_api(self)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -131,6 +138,16 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
+        if self.config.catch_up_interval_s > 0:
+            self.catch_up = CatchUp(
+                self.store,
+                self.balancer,
+                self.metrics,
+                token=self.config.agent_token,
+                interval_s=self.config.catch_up_interval_s,
+                on_change=self.prune_metrics,
+            )
+            self.catch_up.start()
         self.proxy = self.proxy_class(
             self.store,
             self.balancer,
@@ -143,6 +160,8 @@ class RouterApp:
             yield
         finally:
             self.proxy = None
+            if self.catch_up is not None:
+                await self.catch_up.stop()
             await self.poller.stop()
             await pooled.close()
             await fresh.close()
@@ -177,6 +196,12 @@ class RouterApp:
             gauge.set(self.balancer.count(adapter, version))
         for r in self.balancer.replicas:
             self.metrics.replica_inflight.labels(r.replica_id or r.agent_url).set(r.inflight)
+        self.metrics.lagging.clear()
+        self.metrics.lagging_since.clear()
+        for name, e in self.store.aliases.items():
+            for rid, lag in e.lagging.items():
+                self.metrics.lagging.labels(name, rid).set(1)
+                self.metrics.lagging_since.labels(name, rid).set(lag.since_version)
 
 
 def _status(r: Replica) -> ReplicaStatus:
@@ -282,6 +307,9 @@ def _build_api(router: RouterApp) -> FastAPI:
         """The atomic flip. 409: ``version_conflict`` (compare-and-set, not newer),
         ``publish_in_progress`` (another lease holder), ``unknown_replica``."""
         await check_replicas(req.replicas)
+        # Lagging replicas are reported by id or, for one never reached, its agent URL.
+        names = known_ids() | {r.agent_url for r in balancer.replicas}
+        lagging = {k: v for k, v in req.lagging.items() if k in names}
         kw = {}
         # An explicit null means "no alias yet"; an absent field means "no compare-and-set".
         if "expected_version" in req.model_fields_set:
@@ -295,10 +323,37 @@ def _build_api(router: RouterApp) -> FastAPI:
             keep_versions=req.keep_versions,
             max_staleness=req.max_staleness,
             sessions=req.sessions,
+            digest=req.digest,
+            lagging=lagging,
             **kw,
         )
         router.prune_metrics()
         return entry
+
+    @app.post(
+        "/v1/control/aliases/{name}/reserve",
+        dependencies=ctl,
+        response_model=Reservation,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def reserve(name: AdapterName, req: ReserveRequest) -> Reservation:
+        """The next version number of ``name`` for the lease's holder: above the active one and
+        every number handed out before (persisted). 409 ``version_conflict`` for a number asked
+        for that is not, ``publish_in_progress`` for another holder's lease."""
+        return Reservation(name=name, version=store.reserve(name, req.holder, req.version))
+
+    @app.delete(
+        "/v1/control/aliases/{name}/reserve/{version}",
+        dependencies=ctl,
+        status_code=204,
+        response_class=Response,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def release_version(name: AdapterName, version: Version, holder: LeaseHolder) -> Response:
+        """Give back the newest number handed out: its attempt reached no engine (idempotent;
+        a number that was flipped to, or is not the newest, stays taken)."""
+        store.release_version(name, holder, version)
+        return Response(status_code=204)
 
     @app.delete(
         "/v1/control/aliases/{name}",
