@@ -295,7 +295,7 @@ class AsyncPublisher:
                     "lagging; nothing was sent",
                     skipped,
                 )
-        agents = [a for a in self._agents if a.id not in skipped]
+        agents = [a for a in self._agents if a.id not in skipped and a.id not in unreachable]
         await self._check_room(name, keep_versions, agents)
         if bundle.version != version:
             bundle = bundle.with_version(version)
@@ -496,18 +496,34 @@ class AsyncPublisher:
             seen = await asyncio.wait_for(self.router.replicas(), self.timeouts.answer)
         except (LorafleetError, TimeoutError):
             return down  # the router's own failure shows at the lease or the flip
+        # An agent never reached is known here by its URL only: name it as the router does.
+        ids = {r.agent_url.rstrip("/"): r.replica_id for r in seen.replicas}
+        down = {ids.get(k, k): v for k, v in down.items()}
         out = {r.replica_id: r for r in seen.replicas if not r.healthy}
-        for a in self._agents:
-            st = out.get(a.id)
-            if st is None or a.id in down:
-                continue
-            try:
-                h = await asyncio.wait_for(a.client.health(), self.timeouts.answer)
-            except (LorafleetError, TimeoutError):
-                down[a.id] = f"the router sees it down ({st.detail}) and its agent is silent"
-                continue
-            if h.status != "ok":
-                down[a.id] = f"the router sees it down and its agent is not ready ({h.detail})"
+        bound = self.timeouts.answer
+
+        async def check(a: Agent, detail: str | None) -> str | None:
+            # An agent reinstalling adapters after an engine restart reaches its engine and can
+            # take a load: only one whose engine stays unreachable for ``bound`` is down.
+            deadline = time.monotonic() + bound
+            why = f"the router sees it down ({detail}) and its agent is silent"
+            while True:
+                try:
+                    h = await asyncio.wait_for(a.client.health(), bound)
+                except (LorafleetError, TimeoutError):
+                    return why
+                if h.status == "ok" or h.engine_reachable:
+                    return None
+                why = f"the router sees it down and its engine is unreachable ({h.detail})"
+                if time.monotonic() >= deadline:
+                    return why
+                await asyncio.sleep(0.2)
+
+        suspects = [a for a in self._agents if a.id in out and a.id not in down]
+        verdicts = await asyncio.gather(*(check(a, out[a.id].detail) for a in suspects))
+        for a, why in zip(suspects, verdicts, strict=True):
+            if why is not None:
+                down[a.id] = why
         return down
 
 

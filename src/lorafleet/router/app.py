@@ -308,8 +308,9 @@ def _build_api(router: RouterApp) -> FastAPI:
         ``publish_in_progress`` (another lease holder), ``unknown_replica``."""
         await check_replicas(req.replicas)
         # Lagging replicas are reported by id or, for one never reached, its agent URL.
-        names = known_ids() | {r.agent_url for r in balancer.replicas}
-        lagging = {k: v for k, v in req.lagging.items() if k in names}
+        names = {r.agent_url: r.replica_id or r.agent_url for r in balancer.replicas}
+        names.update({i: i for i in known_ids()})
+        lagging = {names[k]: v for k, v in req.lagging.items() if k in names}
         kw = {}
         # An explicit null means "no alias yet"; an absent field means "no compare-and-set".
         if "expected_version" in req.model_fields_set:

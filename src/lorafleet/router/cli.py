@@ -70,6 +70,14 @@ __all__ = ["command"]
     help="Seconds an idle pooled connection to an engine or agent is kept (keep it below the "
     "peers' own keep-alive, 5 s for uvicorn-based servers).",
 )
+@click.option(
+    "--catch-up-interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds between catch-up rounds: a replica that lacks a routable version is fed from "
+    "a peer that holds it (docs/quorum.md); 0 turns catch-up off.",
+)
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     agents: str,
@@ -85,6 +93,7 @@ def command(
     unhealthy_after: int,
     healthy_after: int,
     upstream_keepalive: float,
+    catch_up_interval: float,
     log_level: str,
     *,
     proxy_class: Callable[..., Proxy] | None = None,
@@ -119,6 +128,7 @@ def command(
         unhealthy_after=unhealthy_after,
         healthy_after=healthy_after,
         upstream_keepalive_s=upstream_keepalive,
+        catch_up_interval_s=catch_up_interval,
     )
     app = create_app(config, proxy_class=proxy_class or Proxy)
     try:
