@@ -271,30 +271,31 @@ class AsyncPublisher:
         build_s: float,
     ) -> PublishResult:
         """The publication proper, under the lease, with its version number taken."""
-        down = await self._down(unreachable)
+        skipped: dict[str, str] = {}
+        if quorum is not None:
+            # Lagging and in its backoff: skipped without a call (a dead node costs nothing).
+            now = time.time()
+            for a in self._agents:
+                st = lag.get(a.id)
+                if st is not None and st.retry_at > now:
+                    skipped[a.id] = (
+                        f"lagging since v{st.since_version} ({st.reason}); skipped "
+                        f"until {st.retry_at - now:.0f}s from now, or until caught up"
+                    )
+        down = await self._down(unreachable, skip=set(skipped))
         if quorum is None and down:
             raise PublishError(
                 f"cannot publish {name!r} v{version}: some replicas are down; nothing "
                 "was sent (pass min_replicas to publish to a quorum)",
                 down,
             )
-        skipped = dict(down)
-        if quorum is not None:
-            now = time.time()
-            for a in self._agents:
-                st = lag.get(a.id)
-                if a.id not in skipped and st is not None and st.retry_at > now:
-                    skipped[a.id] = (
-                        f"lagging since v{st.since_version} ({st.reason}); skipped "
-                        f"until {st.retry_at - now:.0f}s from now, or until caught up"
-                    )
-            if len(self._agents) - len(skipped) < quorum:
-                raise PublishError(
-                    f"cannot publish {name!r} v{version}: {quorum} of "
-                    f"{len(self._agents)} replicas needed, {len(skipped)} are down or "
-                    "lagging; nothing was sent",
-                    skipped,
-                )
+        skipped.update(down)
+        if quorum is not None and len(self._agents) - len(skipped) < quorum:
+            raise PublishError(
+                f"cannot publish {name!r} v{version}: {quorum} of {len(self._agents)} "
+                f"replicas needed, {len(skipped)} are down or lagging; nothing was sent",
+                skipped,
+            )
         agents = [a for a in self._agents if a.id not in skipped and a.id not in unreachable]
         await self._check_room(name, keep_versions, agents)
         if bundle.version != version:
@@ -486,7 +487,9 @@ class AsyncPublisher:
             raise PublishError("some agents are unreachable; nothing was published", failures)
         return failures
 
-    async def _down(self, unreachable: Mapping[str, str]) -> dict[str, str]:
+    async def _down(
+        self, unreachable: Mapping[str, str], *, skip: set[str] | frozenset[str] = frozenset()
+    ) -> dict[str, str]:
         """``unreachable``, plus the replicas that the router sees out of rotation and whose
         agent says it is not ready now (its engine is down, or it is reinstalling adapters)."""
         down = dict(unreachable)
@@ -519,7 +522,9 @@ class AsyncPublisher:
                     return why
                 await asyncio.sleep(0.2)
 
-        suspects = [a for a in self._agents if a.id in out and a.id not in down]
+        suspects = [
+            a for a in self._agents if a.id in out and a.id not in down and a.id not in skip
+        ]
         verdicts = await asyncio.gather(*(check(a, out[a.id].detail) for a in suspects))
         for a, why in zip(suspects, verdicts, strict=True):
             if why is not None:
