@@ -28,6 +28,10 @@ Control plane (the control token, separate from the inference key)::
     GET    /v1/control/replicas                -> ReplicaList
     PUT    /v1/control/replicas/{replica_id}   MoveReplicaRequest -> ReplicaStatus (the replica
                                                was re-placed: it answers at a new agent URL)
+    POST   /v1/control/replicas                AddReplicaRequest -> 201 ReplicaStatus (a new
+                                               member: polled, then fed by catch-up)
+    DELETE /v1/control/replicas/{replica_id}?drain_s=  -> ReplicaStatus (off every version
+                                               first, drained, then forgotten)
     POST   /v1/control/aliases/{name}/reserve  ReserveRequest -> Reservation (the next version
                                                number, never handed out twice)
     DELETE /v1/control/aliases/{name}/reserve/{version}?holder=  -> 204 (give back a number
@@ -57,6 +61,7 @@ __all__ = [
     "SESSION_HEADER",
     "TAG_FIELD",
     "VERSION_HEADER",
+    "AddReplicaRequest",
     "AliasEntry",
     "AliasEvent",
     "AliasTable",
@@ -254,6 +259,15 @@ class ReserveRequest(_Model):
 class Reservation(_Model):
     name: str
     version: int
+
+
+class AddReplicaRequest(_Model):
+    """``POST /v1/control/replicas``: a replica joins the fleet. The router polls its agent;
+    once it is healthy, catch-up feeds it every routable version from peers, and only then is
+    it routed any of them."""
+
+    agent_url: str = Field(min_length=1, max_length=2048)
+    """``http(s)://host[:port]``, no path, query or user; not another replica's."""
 
 
 class RouterHealth(_Model):

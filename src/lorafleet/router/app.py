@@ -8,6 +8,7 @@ The OpenAPI document covers both: FastAPI's routes declare every status they ans
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import aiohttp
-from fastapi import Depends, FastAPI, Response
+from fastapi import Depends, FastAPI, Query, Response
 from fastapi import Path as FastAPIPath
 from prometheus_client import generate_latest
 
@@ -37,6 +38,7 @@ from lorafleet.protocol.errors import ErrorResponse
 from lorafleet.protocol.names import AdapterName, LeaseHolder, Version
 from lorafleet.protocol.router import (
     MAX_REPLICA_ID,
+    AddReplicaRequest,
     AliasEntry,
     AliasTable,
     DrainRequest,
@@ -473,6 +475,63 @@ def _build_api(router: RouterApp) -> FastAPI:
             r.replica_id, was, url, len(names),
         )  # fmt: skip
         return _status(r)
+
+    @app.post(
+        "/v1/control/replicas",
+        dependencies=ctl,
+        status_code=201,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 413),
+    )
+    async def add_replica(req: AddReplicaRequest) -> ReplicaStatus:
+        """A new member: polled from now on, routed nothing until catch-up has fed it each
+        routable version from a peer (verified, loaded, proven). The same URL again changes
+        nothing (a retry is safe)."""
+        try:
+            url = check_peer_url(req.agent_url)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="agent_url") from None
+        same = [r for r in balancer.replicas if r.agent_url == url]
+        if same:
+            return _status(same[0])
+        r = balancer.add(url)
+        if router.poller is not None:
+            await router.poller.poll_once()
+            router.poller.watch(r)
+        log.warning("replica %s added at %s; catch-up feeds it", r.replica_id, url)
+        return _status(r)
+
+    @app.delete(
+        "/v1/control/replicas/{replica_id}",
+        dependencies=ctl,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 404, 413),
+    )
+    async def remove_replica(
+        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)],
+        drain_s: Annotated[float, Query(ge=0, le=3600)] = 30.0,
+    ) -> ReplicaStatus:
+        """A member leaves: taken off every version at once (no new request goes there), then
+        drained (its requests in flight finish, up to ``drain_s``), then forgotten. Its answer
+        says how many requests were still in flight when it was forgotten (0: drained)."""
+        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
+        if not found:
+            raise NotFound(
+                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
+                param="replica_id",
+            )
+        r = found[0]
+        store.forget_replica(r.replica_id or r.agent_url, member=False)
+        deadline = time.monotonic() + drain_s
+        while r.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        status = _status(r)
+        if router.poller is not None:
+            await router.poller.unwatch(r)
+        balancer.remove(r)
+        router.prune_metrics()
+        log.warning("replica %s removed (%d in flight)", status.replica_id, status.inflight)
+        return status
 
     finish_openapi(app, lambda schema: _document_data_plane(schema, cfg.api_key is not None))
     return app

@@ -280,6 +280,8 @@ class CatchUp:
         if ref.digest is not None and rec.digest != ref.digest:
             raise CatchUpFailed(f"it verified other bytes ({rec.digest[:12]})")
         current = self.store.aliases.get(name)
+        if all(x is not r for x in self.balancer.replicas):
+            raise CatchUpFailed("the replica left the fleet meanwhile")
         if current is None or self.store.lease_of(name) is not None:
             raise CatchUpFailed("a publication started meanwhile; tried again after it")
         if v == current.version:

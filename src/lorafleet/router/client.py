@@ -12,6 +12,7 @@ import httpx
 
 from lorafleet._http import async_client, bearer, map_transport_errors, raise_for_status
 from lorafleet.protocol.router import (
+    AddReplicaRequest,
     AliasEntry,
     AliasTable,
     DrainRequest,
@@ -172,5 +173,21 @@ class AsyncRouterClient:
             "PUT",
             f"/v1/control/replicas/{quote(replica_id, safe='')}",
             json=MoveReplicaRequest(agent_url=agent_url).model_dump(),
+        )
+        return ReplicaStatus.model_validate_json(r.content)
+
+    async def add_replica(self, agent_url: str) -> ReplicaStatus:
+        """A replica joins the fleet; catch-up feeds it before it is routed anything."""
+        body = AddReplicaRequest(agent_url=agent_url).model_dump()
+        r = await self._call("POST", "/v1/control/replicas", json=body)
+        return ReplicaStatus.model_validate_json(r.content)
+
+    async def remove_replica(self, replica_id: str, drain_s: float = 30.0) -> ReplicaStatus:
+        """A replica leaves: off every version, drained (up to ``drain_s``), forgotten."""
+        r = await self._call(
+            "DELETE",
+            f"/v1/control/replicas/{quote(replica_id, safe='')}",
+            params={"drain_s": drain_s},
+            timeout=httpx.Timeout(drain_s + 30.0, connect=5.0),
         )
         return ReplicaStatus.model_validate_json(r.content)

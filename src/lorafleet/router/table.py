@@ -239,10 +239,11 @@ class AliasStore:
         self.aliases, self.log, self.seq = aliases, log, event.seq
         return event
 
-    def forget_replica(self, replica_id: str) -> list[str]:
+    def forget_replica(self, replica_id: str, *, member: bool = True) -> list[str]:
         """Take ``replica_id`` off every routable version (it was re-placed and holds none of
-        them now). Returns the names whose holders changed; a version left without a holder
-        answers 503 ``no_replica`` until a publication lists one again."""
+        them now, or it leaves the fleet: ``member=False`` also drops its lagging state).
+        Returns the names whose holders changed; a version left without a holder answers 503
+        ``no_replica`` until a publication or a catch-up lists one again."""
 
         def without(ids: list[str]) -> list[str]:
             return [r for r in ids if r != replica_id]
@@ -250,11 +251,18 @@ class AliasStore:
         changed = {}
         for name, entry in self.aliases.items():
             window = entry.window()
-            if not any(replica_id in v.replicas for v in window):
+            lagging = entry.lagging
+            if not member and replica_id in lagging:
+                lagging = {r: st for r, st in lagging.items() if r != replica_id}
+            elif not any(replica_id in v.replicas for v in window):
                 continue
             routable = [v.model_copy(update={"replicas": without(v.replicas)}) for v in window]
             changed[name] = entry.model_copy(
-                update={"replicas": without(entry.replicas), "routable": routable}
+                update={
+                    "replicas": without(entry.replicas),
+                    "routable": routable,
+                    "lagging": lagging,
+                }
             )
         if changed:
             aliases = {**self.aliases, **changed}
