@@ -167,7 +167,7 @@ class AdapterService:
         """Open an upload session (see ``UploadManager.open``) once leftovers are cleared."""
         async with self.locks[manifest.name]:
             await self._clear_leftovers(manifest, supersede)
-            return self.uploads.open(manifest, self.check_version, relay)
+            return self.uploads.open(manifest, self.check_version, relay, supersede=supersede)
 
     async def commit(self, upload_id: str) -> AdapterRecord:
         s = self.uploads.get(upload_id)
@@ -478,6 +478,14 @@ class AdapterService:
             if plain not in names and self._holder(plain) is None:
                 names.append(plain)
         return names
+
+    def stored(self, name: str, version: int) -> tuple[Manifest, Path]:
+        """A held version's manifest and directory (for a peer's catch-up). Raises
+        ``AdapterNotFound`` unless it is loaded or active here (verified bytes, in use)."""
+        item = self._get(name, version)
+        if item.record.state not in _IN_ENGINE:
+            raise AdapterNotFound(f"{name!r} v{version} is {item.record.state.value} here")
+        return item.manifest, Path(item.record.path)
 
     def list(self) -> list[AdapterRecord]:
         return [i.record for i in self.db.all()]

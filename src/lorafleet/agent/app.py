@@ -40,6 +40,7 @@ from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.probe import ApplicationProbe
 from lorafleet.agent.reconcile import Reconciler
+from lorafleet.agent.relay import send_file
 from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadManager
@@ -57,13 +58,17 @@ from lorafleet.protocol.agent import (
     ForwardPlan,
     Health,
     LoadRequest,
+    Manifest,
     OpenUploadRequest,
     RegisterPathRequest,
+    SendRequest,
+    SendResult,
     UnloadRequest,
     UploadSession,
     UploadStatus,
     VerifyRequest,
 )
+from lorafleet.protocol.names import AdapterName, Version
 
 __all__ = ["AgentConfig", "create_app"]
 
@@ -396,6 +401,39 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         """Gone from engine and store. 503 ``engine_unavailable`` when the engine does not
         answer: the record is then ``retiring`` and the agent finishes once it answers."""
         return await rt.service.unload(req.name, req.version)
+
+    @app.get(
+        "/v1/adapters/{name}/{version}/manifest",
+        dependencies=guard,
+        responses=errors(*ctl, 404),
+    )
+    async def adapter_manifest(name: AdapterName, version: Version) -> Manifest:
+        """The manifest of a version loaded here: what a lagging peer opens its session with."""
+        return rt.service.stored(name, version)[0]
+
+    @app.post("/v1/adapters/send", dependencies=guard, responses=errors(*ctl, 404, 413))
+    async def send(req: SendRequest) -> SendResult:
+        """Catch-up: PUT a loaded version's files (verified when they came in) into a peer's
+        session, presenting ``credential``; the peer verifies each as any upload."""
+        manifest, root = rt.service.stored(req.name, req.version)
+        wanted = set(req.paths) if req.paths is not None else None
+        hops, sent = [], 0
+        for entry in manifest.files:
+            if wanted is not None and entry.path not in wanted:
+                continue
+            hop, n = await send_file(
+                rt.uploads.relay_http(),
+                req.target,
+                entry,
+                str(root / entry.path),
+                req.credential,
+                req.stall_s,
+            )
+            hops.append(hop)
+            sent += n
+            if not hop.ok:
+                break
+        return SendResult(hops=hops, bytes_sent=sent)
 
     @app.get("/v1/adapters")
     async def list_adapters() -> AdapterList:

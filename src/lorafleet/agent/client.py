@@ -11,6 +11,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -40,6 +41,8 @@ from lorafleet.protocol.agent import (
     OpenUploadRequest,
     RegisterPathRequest,
     RelayAccept,
+    SendRequest,
+    SendResult,
     UnloadRequest,
     UploadSession,
     UploadStatus,
@@ -230,6 +233,23 @@ class AsyncAgentClient:
     async def list_adapters(self) -> list[AdapterRecord]:
         resp = await self._request("GET", "/v1/adapters")
         return AdapterList.model_validate(resp.json()).adapters
+
+    # --- catch-up (the router feeds a lagging replica from a peer) -----------------------------
+
+    async def manifest(self, name: str, version: int) -> Manifest:
+        """The manifest of ``name`` v``version``, loaded on this agent."""
+        resp = await self._request("GET", f"/v1/adapters/{quote(name, safe='')}/{version}/manifest")
+        return Manifest.model_validate(resp.json())
+
+    async def send(self, req: SendRequest, timeout_s: float) -> SendResult:
+        """Have this agent PUT a version it holds into a peer's relay session."""
+        resp = await self._request(
+            "POST",
+            "/v1/adapters/send",
+            json=req.model_dump(mode="json"),
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+        )
+        return SendResult.model_validate(resp.json())
 
 
 async def _chunks(

@@ -29,7 +29,7 @@ from lorafleet.protocol.agent import (
     repr_digest,
 )
 
-__all__ = ["MAX_BUFFER", "Tee"]
+__all__ = ["MAX_BUFFER", "Tee", "send_file"]
 
 MAX_BUFFER = 8 << 20
 """Bytes queued for one target before the hop waits for it (the pipeline's slack)."""
@@ -197,3 +197,53 @@ class Tee:
         for f in self.forwards:
             if f.alive:
                 f.drop("aborted", "the upstream PUT ended")
+
+
+async def send_file(
+    http: httpx.AsyncClient,
+    target: ForwardTarget,
+    entry: FileEntry,
+    src: str,
+    credential: str,
+    stall_s: float,
+    chunk: int = 1 << 20,
+) -> tuple[RelayHop, int]:
+    """Catch-up: PUT one stored file to a peer's session, as a relay hop would (the same
+    headers and credential; the peer verifies size and sha-256). Returns (hop, bytes sent)."""
+    sent = 0
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal sent
+        with open(src, "rb") as f:
+            while data := await asyncio.to_thread(f.read, chunk):
+                sent += len(data)
+                yield data
+
+    def hop(ok: bool, code: str | None = None, detail: str | None = None) -> RelayHop:
+        return RelayHop(
+            url=target.url, upload_id=target.upload_id, path=entry.path, ok=ok, code=code,
+            detail=detail,
+        )  # fmt: skip
+
+    headers = {
+        **bearer(credential),
+        UPLOAD_OFFSET_HEADER: "0",
+        REPR_DIGEST_HEADER: repr_digest(entry.sha256),
+        "Content-Length": str(entry.size),
+        "Content-Type": "application/octet-stream",
+    }
+    timeout = httpx.Timeout(
+        connect=min(stall_s, 10.0), write=stall_s, read=target.answer_timeout_s, pool=5.0
+    )
+    try:
+        resp = await http.put(
+            target.url + file_url(target.upload_id, entry.path),
+            content=body(),
+            headers=headers,
+            timeout=timeout,
+        )
+    except (httpx.HTTPError, httpx.StreamError, OSError) as exc:
+        return hop(False, "transport", f"{type(exc).__name__}: {exc}"), sent
+    if resp.status_code == 200:
+        return hop(FileProgress.model_validate(resp.json()).complete), sent
+    return hop(False, error_code(resp), error_message(resp)), sent

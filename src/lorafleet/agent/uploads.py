@@ -160,12 +160,20 @@ class UploadManager:
         manifest: Manifest,
         check_version: Callable[[Manifest], None],
         relay: RelayAccept | None = None,
+        supersede: bool = False,
     ) -> UploadSession:
         """Refuse at once what can be refused from the manifest; else open a session.
 
         Idempotent: the same manifest (by digest) while its session is open returns that session
         (taking the new ``relay`` grant: the one of the publication that asked last).
+        ``supersede``: an open session of this name for other bytes (an attempt that was
+        abandoned: a failed publication, a catch-up cut off) is closed first instead of
+        refusing, so that it never blocks the name until its TTL.
         """
+        if supersede:
+            for s in list(self.sessions.values()):
+                if s.manifest.name == manifest.name and s.manifest.digest != manifest.digest:
+                    self.close(s.id, keep_blobs=False)
         for s in self.sessions.values():
             if s.manifest.name == manifest.name and s.manifest.digest == manifest.digest:
                 # The same bundle again: a publisher whose answer to the first open was lost

@@ -7,6 +7,7 @@ such, never as an exception.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -201,6 +202,26 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
         )
 
     out: list[Any] = [fleet, replicas, adapters, active]
+    lagging = [
+        (a["name"], rid, lag) for a in status.aliases for rid, lag in a.get("lagging", {}).items()
+    ]
+    if lagging:
+        # A quorum publication went on without these; the router catches them up from a peer.
+        lag_table = Table(title="lagging replicas (serve none of the name)", title_justify="left")
+        for col in ("name", "replica", "since", "failures", "next retry", "why"):
+            lag_table.add_column(col, overflow="fold")
+        now = time.time()
+        for name, rid, lag in sorted(lagging, key=lambda x: (x[0], x[1])):
+            wait = lag.get("retry_at", 0) - now
+            lag_table.add_row(
+                name,
+                rid,
+                f"v{lag.get('since_version')}",
+                str(lag.get("failures", 1)),
+                f"in {wait:.0f}s" if wait > 0 else "now",
+                str(lag.get("reason", "")),
+            )
+        out.append(lag_table)
     if status.errors:
         out.append("[yellow]unreachable:[/yellow] " + "; ".join(status.errors))
     return out

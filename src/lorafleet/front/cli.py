@@ -77,6 +77,12 @@ def _dialect_names() -> list[str]:
     type=click.IntRange(min=1),
     help="Versions of a name kept routable (the retention window).",
 )
+@click.option(
+    "--min-replicas",
+    default=None,
+    help="Quorum for each publication: a count or a fraction like 0.75 (docs/quorum.md) "
+    "[default: every replica].",
+)
 @click.option("--dtype", default=None, help="dtype /server_info reports (default: the model's).")
 @click.option(
     "--dialect",
@@ -127,6 +133,7 @@ def command(
     control_allow_from: str,
     name_pattern: str,
     keep_versions: int,
+    min_replicas: str | None,
     dtype: str | None,
     dialect: str,
     upload_dir: str | None,
@@ -143,6 +150,7 @@ def command(
     from lorafleet.front.service import FrontConfig, parse_networks
     from lorafleet.front.uploads import UploadDirLimits
     from lorafleet.launch.listen import listen_address, serve
+    from lorafleet.publisher.cli import parse_min_replicas
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
@@ -166,6 +174,7 @@ def command(
             control_allow_from=networks,
             name_pattern=name_pattern,
             keep_versions=keep_versions,
+            min_replicas=parse_min_replicas(min_replicas),
             dtype=dtype,
             dialect=dialect,
             upload_dir=Path(upload_dir) if upload_dir else None,

@@ -71,6 +71,8 @@ class FrontConfig:
     )
     name_pattern: str = DEFAULT_PATTERN
     keep_versions: int = 2
+    min_replicas: int | float | None = None
+    """A quorum for every publication a load makes (docs/quorum.md); None: every replica."""
     dtype: str | None = None
     """What ``/server_info`` reports; None reads the base model's config.json when local."""
     publish_timeout_s: float = 1800.0
@@ -347,6 +349,7 @@ class Front:
                 transfer=transfer,
                 mode="atomic",
                 keep_versions=self.cfg.keep_versions,
+                min_replicas=self.cfg.min_replicas,
             )
         except ServiceError:
             raise

@@ -60,6 +60,8 @@ class LorafleetCallback(TrainerCallback):
         mode: ``"atomic"`` (router alias flip) or ``"in_place"``.
         keep_versions: the retention window (atomic): rollouts that started on one of the
             newest ``keep_versions`` versions finish on it (asynchronous RL; see docs/async-rl.md).
+        min_replicas: a quorum (a count or a fraction): training goes on once that many
+            replicas hold each version; the others catch up from peers (docs/quorum.md).
         publish_kwargs: passed to every ``publisher.publish`` call (e.g. ``transfer=``,
             ``max_staleness=``).
     """
@@ -71,12 +73,15 @@ class LorafleetCallback(TrainerCallback):
         every_n_steps: int = 1,
         mode: str = "atomic",
         keep_versions: int = 1,
+        min_replicas: int | float | None = None,
         **publish_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         if keep_versions > 1:
             publish_kwargs["keep_versions"] = keep_versions
+        if min_replicas is not None:
+            publish_kwargs["min_replicas"] = min_replicas
         self.publisher = publisher
         self.name = name
         self.every_n_steps = every_n_steps

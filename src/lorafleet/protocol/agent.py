@@ -19,6 +19,14 @@ Relay (one publication's bytes sent once and forwarded agent to agent while they
                                                  plan's targets (and nowhere else)
     GET    /v1/uploads/{upload_id}               ``FileProgress.relayed``: each hop's outcome
 
+Catch-up (a lagging replica fed from a peer, driven by the router; ``docs/quorum.md``)::
+
+    GET    /v1/adapters/{name}/{version}/manifest  -> Manifest of a version this agent holds
+    POST   /v1/adapters/send       SendRequest -> SendResult: PUT this version's files from the
+                                   store into a peer's session opened with ``relay`` (the
+                                   credential is minted for that one catch-up); the peer
+                                   verifies each file's size and sha-256 as for any upload
+
 Adapters::
 
     POST   /v1/adapters/register   RegisterPathRequest (shared filesystem) -> AdapterRecord
@@ -74,6 +82,8 @@ __all__ = [
     "RegisterPathRequest",
     "RelayAccept",
     "RelayHop",
+    "SendRequest",
+    "SendResult",
     "UnloadRequest",
     "UploadSession",
     "UploadStatus",
@@ -234,6 +244,24 @@ class RelayHop(_Model):
     code: str | None = None
     """Its error code (``digest_mismatch``, ...), ``transport`` (no answer) or ``stalled``."""
     detail: str | None = None
+
+
+class SendRequest(_Model):
+    """Send a stored version's files to one peer's upload session (a catch-up)."""
+
+    name: AdapterName
+    version: Version
+    target: ForwardTarget
+    credential: str = Field(min_length=16, max_length=256, pattern=r"^[A-Za-z0-9_-]+$")
+    """Presented to the target; its session was opened with this credential's sha-256."""
+    paths: list[str] | None = Field(default=None, max_length=4096)
+    """The files the target lacks (None: every file of the manifest)."""
+    stall_s: float = Field(10.0, gt=0, le=600)
+
+
+class SendResult(_Model):
+    hops: list[RelayHop]
+    bytes_sent: int
 
 
 class UploadSession(_Model):

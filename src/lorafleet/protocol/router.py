@@ -28,6 +28,19 @@ Control plane (the control token, separate from the inference key)::
     GET    /v1/control/replicas                -> ReplicaList
     PUT    /v1/control/replicas/{replica_id}   MoveReplicaRequest -> ReplicaStatus (the replica
                                                was re-placed: it answers at a new agent URL)
+    POST   /v1/control/replicas                AddReplicaRequest -> 201 ReplicaStatus (a new
+                                               member: polled, then fed by catch-up)
+    DELETE /v1/control/replicas/{replica_id}?drain_s=  -> ReplicaStatus (off every version
+                                               first, drained, then forgotten)
+    POST   /v1/control/aliases/{name}/reserve  ReserveRequest -> Reservation (the next version
+                                               number, never handed out twice)
+    DELETE /v1/control/aliases/{name}/reserve/{version}?holder=  -> 204 (give back a number
+                                               whose attempt reached no engine)
+
+Quorum (``docs/quorum.md``): a version's ``replicas`` are exactly the replicas that hold it
+verified, loaded and proven, each with the version's ``digest``; ``AliasEntry.lagging`` names the
+others (since which version, why, when a publication tries them again). The router's catch-up
+loop feeds a lagging or empty replica from a peer that holds the version and only then lists it.
 
 Names, engine names, lease holders and versions follow ``lorafleet.protocol.names``.
 """
@@ -48,16 +61,20 @@ __all__ = [
     "SESSION_HEADER",
     "TAG_FIELD",
     "VERSION_HEADER",
+    "AddReplicaRequest",
     "AliasEntry",
     "AliasEvent",
     "AliasTable",
     "DrainRequest",
     "DrainResponse",
+    "LagState",
     "Lease",
     "LeaseRequest",
     "MoveReplicaRequest",
     "ReplicaList",
     "ReplicaStatus",
+    "Reservation",
+    "ReserveRequest",
     "RoutableVersion",
     "RouterHealth",
     "SessionPolicy",
@@ -94,6 +111,21 @@ class RoutableVersion(_Model):
     version: int
     engine_name: str
     replicas: list[str]
+    """The replicas that hold this version verified, loaded and proven (and only those)."""
+    digest: str | None = None
+    """The bundle digest every listed replica verified (None: an entry from before digests)."""
+
+
+class LagState(_Model):
+    """Why a replica does not hold a name's newest version, and when it is tried again."""
+
+    since_version: int = Field(ge=1)
+    """The first version it missed."""
+    reason: str = Field(max_length=2048)
+    failures: int = Field(default=1, ge=1)
+    """Consecutive failed attempts (publications or catch-ups)."""
+    retry_at: float = 0.0
+    """Wall-clock seconds: a quorum publication skips this replica until then."""
 
 
 class SetAliasRequest(_Model):
@@ -115,6 +147,10 @@ class SetAliasRequest(_Model):
     """``pin``: a session keeps the version it started on; ``follow``: always the newest. With
     ``keep_versions=1`` there is nothing to keep a session on: it follows (the pre-window
     behaviour), so a default publication never breaks a running session."""
+    digest: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """The bundle digest each of ``replicas`` verified for this version."""
+    lagging: dict[str, LagState] = Field(default_factory=dict, max_length=MAX_REPLICAS)
+    """A quorum publication: the replicas that did not take this version, and why."""
 
 
 class AliasEntry(_Model):
@@ -130,6 +166,8 @@ class AliasEntry(_Model):
     sessions: SessionPolicy = "pin"
     routable: list[RoutableVersion] = Field(default_factory=list)
     """The retention window, newest first (the newest is ``version``)."""
+    lagging: dict[str, LagState] = Field(default_factory=dict)
+    """Replicas that do not hold ``version`` yet: routed none of it until caught up."""
 
     def window(self) -> list[RoutableVersion]:
         """The routable versions, newest first (an entry written before windows: the newest)."""
@@ -205,6 +243,28 @@ class MoveReplicaRequest(_Model):
     The router polls the new URL from then on and takes the replica off every version it was
     listed for: a re-placed replica holds nothing the router knows of until a publication lists
     it again. The same URL again changes nothing (a retry is safe)."""
+
+    agent_url: str = Field(min_length=1, max_length=2048)
+    """``http(s)://host[:port]``, no path, query or user; not another replica's."""
+
+
+class ReserveRequest(_Model):
+    """Take the next version number of a name (under the holder's lease)."""
+
+    holder: LeaseHolder
+    version: Version | None = None
+    """A number asked for; refused (409) unless above every number handed out before."""
+
+
+class Reservation(_Model):
+    name: str
+    version: int
+
+
+class AddReplicaRequest(_Model):
+    """``POST /v1/control/replicas``: a replica joins the fleet. The router polls its agent;
+    once it is healthy, catch-up feeds it every routable version from peers, and only then is
+    it routed any of them."""
 
     agent_url: str = Field(min_length=1, max_length=2048)
     """``http(s)://host[:port]``, no path, query or user; not another replica's."""

@@ -45,6 +45,9 @@ class Plan:
     """Relay: how many agents each agent forwards a file to (1: a chain)."""
     relay_stall_s: float = 10.0
     """Relay: a hop that moves no byte for this long is dropped and resumed by the Publisher."""
+    quorum: int | None = None
+    """How many replicas must take v (verified, loaded, proven) for it to succeed; None: all
+    of them (the atomic default). Below it the publication rolls back as with None."""
 
     @property
     def name(self) -> str:

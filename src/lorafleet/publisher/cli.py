@@ -125,6 +125,12 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
     default=None,
     help="Refuse pins and sessions this many versions behind the newest [default: window-1].",
 )
+@click.option(
+    "--min-replicas",
+    default=None,
+    help="Quorum: succeed once this many replicas (a count, or a fraction like 0.75) hold the "
+    "version; the others lag and catch up from peers [default: every replica].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def command(
     path: str,
@@ -140,6 +146,7 @@ def command(
     token: str | None,
     keep_versions: int,
     max_staleness: int | None,
+    min_replicas: str | None,
     as_json: bool,
 ) -> None:
     """Publish the adapter at PATH (a PEFT directory or a state-dict file) to every replica."""
@@ -157,6 +164,7 @@ def command(
     from lorafleet.errors import LorafleetError, PublishError
     from lorafleet.publisher import Publisher
 
+    quorum = _min_replicas(min_replicas)
     agent_urls, router_url, token = _targets(fleet_dir, agents, router, token)
     source, config = _source(path, config_path)
     console = Console(stderr=True)
@@ -195,6 +203,7 @@ def command(
                 config=config,
                 keep_versions=keep_versions,
                 max_staleness=max_staleness,
+                min_replicas=quorum,
             )
     except PublishError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -217,5 +226,34 @@ def command(
         )
     if result.retired_versions:
         click.echo(f"  retired: {', '.join(f'v{v}' for v in result.retired_versions)}")
+    for rid, lag in result.lagging.items():
+        click.echo(
+            f"  lagging: {rid} since v{lag.since_version} ({lag.reason}); catches up from a peer"
+        )
     for w in result.warnings:
         click.echo(f"  warning: {w}")
+
+
+def parse_min_replicas(text: str | None) -> int | float | None:
+    """``--min-replicas`` (the publish command, the front): an integer count or a fraction in
+    (0, 1]. Raises ``ValueError`` for anything else."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither a count nor a fraction") from None
+    if not 0 < value <= 1:
+        raise ValueError("a fraction of the replicas is in (0, 1]")
+    return value
+
+
+def _min_replicas(text: str | None) -> int | float | None:
+    try:
+        return parse_min_replicas(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--min-replicas") from None

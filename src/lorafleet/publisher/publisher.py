@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
 import os
 import socket
 import threading
@@ -25,6 +26,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,7 +45,7 @@ from lorafleet.errors import (
 )
 from lorafleet.protocol.agent import MAX_FANOUT, AdapterState
 from lorafleet.protocol.names import check_name
-from lorafleet.protocol.router import SessionPolicy
+from lorafleet.protocol.router import LagState, SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
 from lorafleet.publisher._replica import Agent
@@ -161,8 +163,18 @@ class AsyncPublisher:
         keep_versions: int = 1,
         max_staleness: int | None = None,
         sessions: SessionPolicy = "pin",
+        min_replicas: int | float | None = None,
     ) -> PublishResult:
         """Publish ``source`` as ``name`` on every replica. See the module docstring.
+
+        ``min_replicas`` (a count, or a fraction of the replicas in (0, 1]; needs a router):
+        succeed once that many replicas hold the new version verified, loaded and proven. The
+        others are lagging (``PublishResult.lagging``): routed none of it until the router has
+        caught them up from a peer, and skipped by later quorum publications (with backoff)
+        meanwhile. Below it, the publication rolls back as without one. None (the default):
+        every replica, and a replica that the router sees down or whose agent does not answer
+        its first call within ``Timeouts.answer`` fails the publication at once, by name.
+        See docs/quorum.md.
 
         ``keep_versions`` (atomic mode): the retention window. The new version and the newest
         ``keep_versions - 1`` before it stay loaded and routable (``name@vN``; sessions keep
@@ -205,6 +217,7 @@ class AsyncPublisher:
             raise ValueError(f"unknown transfer mode {transfer!r}")
         if transfer == "shared_filesystem" and self.shared_dir is None:
             raise ValueError("shared_filesystem transfer needs Publisher(shared_dir=...)")
+        quorum = self._quorum(min_replicas, mode)
 
         # Cheap and local first: build (hash once) and validate before any byte leaves.
         t = time.perf_counter()
@@ -217,40 +230,111 @@ class AsyncPublisher:
         bundle.validate(max_rank=max_rank).raise_for_problems(f"adapter {name!r}")
 
         async with self._name_locks[name]:
-            await self._discover()
+            unreachable = await self._discover(fail=quorum is None)
             async with self._lease(name):
-                previous, window = await self._active(name)
-                version = self._choose_version(name, version, previous)
-                await self._check_room(name, keep_versions)
-                if bundle.version != version:
-                    bundle = bundle.with_version(version)
-                plan = Plan(
-                    bundle,
-                    mode,
-                    transfer,
-                    previous,
-                    self.shared_dir,
-                    # Holding the lease, a version above the active one is ours to take: what a
-                    # failed publication left of it on an agent is superseded, not a conflict.
-                    supersede=self.router is not None,
-                    verify=self.verify,
-                    keep_versions=keep_versions,
-                    max_staleness=max_staleness,
-                    sessions=sessions,
-                    previous_window=window,
-                    relay_fanout=self.relay_fanout,
-                    relay_stall_s=self.relay_stall_s,
-                )
-                publication = Publication(
-                    plan,
-                    self._agents,
-                    router=self.router,
-                    holder=self.holder,
-                    timeouts=self.timeouts,
-                    on_progress=self.on_progress,
-                    carrier=self.carriers.get(transfer),
-                )
-                return await publication.run(t_start=t_start, build_s=build_s)
+                previous, window, lag = await self._active(name)
+                version = await self._choose_version(name, version, previous)
+                attempt = _Attempt()
+                try:
+                    return await self._run(
+                        attempt, bundle, name, version, previous, window, lag, unreachable, quorum,
+                        mode=mode, transfer=transfer, keep_versions=keep_versions,
+                        max_staleness=max_staleness, sessions=sessions, t_start=t_start,
+                        build_s=build_s,
+                    )  # fmt: skip
+                except BaseException:
+                    if self.router is not None and not attempt.burnt:
+                        # Nothing of this attempt was ever routable, and every agent that may
+                        # hold its bytes knows it does: its number goes to the next one.
+                        with contextlib.suppress(LorafleetError, asyncio.CancelledError):
+                            await to_the_end(
+                                self.router.release_version(name, self.holder, version)
+                            )
+                    raise
+
+    async def _run(
+        self,
+        attempt: _Attempt,
+        bundle: AdapterBundle,
+        name: str,
+        version: int,
+        previous: int | None,
+        window: tuple[int, ...],
+        lag: Mapping[str, LagState],
+        unreachable: Mapping[str, str],
+        quorum: int | None,
+        *,
+        mode: Mode,
+        transfer: Transfer,
+        keep_versions: int,
+        max_staleness: int | None,
+        sessions: SessionPolicy,
+        t_start: float,
+        build_s: float,
+    ) -> PublishResult:
+        """The publication proper, under the lease, with its version number taken."""
+        skipped: dict[str, str] = {}
+        if quorum is not None:
+            # Lagging and in its backoff: skipped without a call (a dead node costs nothing).
+            now = time.time()
+            for a in self._agents:
+                st = lag.get(a.id)
+                if st is not None and st.retry_at > now:
+                    skipped[a.id] = (
+                        f"lagging since v{st.since_version} ({st.reason}); skipped "
+                        f"until {st.retry_at - now:.0f}s from now, or until caught up"
+                    )
+        down = await self._down(unreachable, skip=set(skipped))
+        if quorum is None and down:
+            raise PublishError(
+                f"cannot publish {name!r} v{version}: some replicas are down; nothing "
+                "was sent (pass min_replicas to publish to a quorum)",
+                down,
+            )
+        skipped.update(down)
+        if quorum is not None and len(self._agents) - len(skipped) < quorum:
+            raise PublishError(
+                f"cannot publish {name!r} v{version}: {quorum} of {len(self._agents)} "
+                f"replicas needed, {len(skipped)} are down or lagging; nothing was sent",
+                skipped,
+            )
+        agents = [a for a in self._agents if a.id not in skipped and a.id not in unreachable]
+        await self._check_room(name, keep_versions, agents)
+        if bundle.version != version:
+            bundle = bundle.with_version(version)
+        plan = Plan(
+            bundle,
+            mode,
+            transfer,
+            previous,
+            self.shared_dir,
+            # Holding the lease, a version above the active one is ours to take: what a
+            # failed publication left of it on an agent is superseded, not a conflict.
+            supersede=self.router is not None,
+            verify=self.verify,
+            keep_versions=keep_versions,
+            max_staleness=max_staleness,
+            sessions=sessions,
+            previous_window=window,
+            relay_fanout=self.relay_fanout,
+            relay_stall_s=self.relay_stall_s,
+            quorum=quorum,
+        )
+        publication = Publication(
+            plan,
+            agents,
+            router=self.router,
+            holder=self.holder,
+            timeouts=self.timeouts,
+            on_progress=self.on_progress,
+            carrier=self.carriers.get(transfer),
+            skipped=skipped,
+            lag_history=lag,
+        )
+        try:
+            return await publication.run(t_start=t_start, build_s=build_s)
+        finally:
+            attempt.burnt = publication.burns
 
     # -- the lease and the version --------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -300,23 +384,24 @@ class AsyncPublisher:
             with contextlib.suppress(LorafleetError):
                 await self.router.acquire_lease(name, self.holder, ttl)
 
-    async def _active(self, name: str) -> tuple[int | None, tuple[int, ...]]:
-        """(the active version, the routable versions newest first) of ``name``."""
+    async def _active(self, name: str) -> tuple[int | None, tuple[int, ...], dict[str, LagState]]:
+        """(the active version, the routable versions newest first, the lagging replicas) of
+        ``name``."""
         if self.router is not None:
             table = await self.router.table(log=False)
             entry = table.aliases.get(name)
             if entry is None:
-                return None, ()
-            return entry.version, tuple(v.version for v in entry.window())
+                return None, (), {}
+            return entry.version, tuple(v.version for v in entry.window()), dict(entry.lagging)
         lists = await asyncio.gather(*(a.client.list_adapters() for a in self._agents))
         versions = [r.version for lst in lists for r in lst if r.name == name]
-        return (max(versions), (max(versions),)) if versions else (None, ())
+        return (max(versions), (max(versions),), {}) if versions else (None, (), {})
 
-    async def _check_room(self, name: str, keep_versions: int) -> None:
+    async def _check_room(self, name: str, keep_versions: int, agents: Sequence[Agent]) -> None:
         """Refuse, before any byte moves, a retention some replica's engine cannot hold: its
         other adapters plus ``keep_versions + 1`` of this name (the window, and the new version
         while the oldest drains). Raises ``PublishError`` naming each such replica."""
-        capped = [a for a in self._agents if a.info and a.info.capabilities.max_adapters]
+        capped = [a for a in agents if a.info and a.info.capabilities.max_adapters]
         lists = await asyncio.gather(
             *(a.client.list_adapters() for a in capped), return_exceptions=True
         )
@@ -343,29 +428,116 @@ class AsyncPublisher:
                 short,
             )
 
-    @staticmethod
-    def _choose_version(name: str, version: int | None, previous: int | None) -> int:
-        """The version to publish: the one asked for, or the next after the active one.
-        Raises ``VersionConflict`` if the one asked for is not newer than the active one."""
-        if version is None:
-            return (previous or 0) + 1
-        if previous is not None and version <= previous:
+    async def _choose_version(self, name: str, version: int | None, previous: int | None) -> int:
+        """The version to publish: the one asked for, or the next one. With a router, the number
+        is reserved there: above the active version and every number handed out before, across
+        failures and restarts (a failed attempt's number is burnt unless given back; see
+        ``Publication.burns``). Raises ``VersionConflict`` if the one asked for is not newer."""
+        if previous is not None and version is not None and version <= previous:
             raise VersionConflict(
                 f"version {version} of {name!r} is not newer than the active version {previous}"
             )
-        return version
+        if self.router is not None:
+            return await self.router.reserve(name, self.holder, version)
+        return (previous or 0) + 1 if version is None else version
 
-    async def _discover(self) -> None:
-        outcomes = await asyncio.gather(
-            *(a.discover() for a in self._agents), return_exceptions=True
-        )
+    @staticmethod
+    def _quorum_of(min_replicas: int | float | None, n: int) -> int | None:
+        """``min_replicas`` as a count of the ``n`` replicas (None: all, the atomic default).
+        Raises ``ValueError`` for a count outside 1..n or a fraction outside (0, 1]."""
+        if min_replicas is None:
+            return None
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int | float):
+            raise ValueError("min_replicas is a count (int) or a fraction (float) of the replicas")
+        if isinstance(min_replicas, float):
+            if not 0 < min_replicas <= 1:
+                raise ValueError("min_replicas as a fraction is in (0, 1]")
+            count = math.ceil(min_replicas * n - 1e-9)
+        else:
+            count = min_replicas
+        if not 1 <= count <= n:
+            raise ValueError(f"min_replicas is between 1 and the {n} replicas")
+        return None if count == n else count
+
+    def _quorum(self, min_replicas: int | float | None, mode: Mode) -> int | None:
+        q = self._quorum_of(min_replicas, len(self._agents))
+        if q is not None and (self.router is None or mode != "atomic"):
+            raise ValueError("min_replicas needs atomic mode and a router (it routes by holder)")
+        return q
+
+    async def _discover(self, *, fail: bool) -> dict[str, str]:
+        """Learn each agent once and see that it answers now, each within ``Timeouts.answer``.
+        Returns the agents that did not (id -> why); with ``fail``, raises ``PublishError``
+        naming them instead (nothing was sent)."""
+        bound = self.timeouts.answer
+
+        async def reach(a: Agent) -> None:
+            await asyncio.wait_for(a.discover(), bound)
+            await asyncio.wait_for(a.client.health(), bound)
+
+        outcomes = await asyncio.gather(*(reach(a) for a in self._agents), return_exceptions=True)
         failures = {
-            agent.id: reason(out)
+            agent.id: (
+                f"did not answer within {bound:g}s (Timeouts.answer)"
+                if isinstance(out, TimeoutError)
+                else reason(out)
+            )
             for agent, out in zip(self._agents, outcomes, strict=True)
             if isinstance(out, BaseException)
         }
-        if failures:
+        if failures and fail:
             raise PublishError("some agents are unreachable; nothing was published", failures)
+        return failures
+
+    async def _down(
+        self, unreachable: Mapping[str, str], *, skip: set[str] | frozenset[str] = frozenset()
+    ) -> dict[str, str]:
+        """``unreachable``, plus the replicas that the router sees out of rotation and whose
+        agent says it is not ready now (its engine is down, or it is reinstalling adapters)."""
+        down = dict(unreachable)
+        if self.router is None:
+            return down
+        try:
+            seen = await asyncio.wait_for(self.router.replicas(), self.timeouts.answer)
+        except (LorafleetError, TimeoutError):
+            return down  # the router's own failure shows at the lease or the flip
+        # An agent never reached is known here by its URL only: name it as the router does.
+        ids = {r.agent_url.rstrip("/"): r.replica_id for r in seen.replicas}
+        down = {ids.get(k, k): v for k, v in down.items()}
+        out = {r.replica_id: r for r in seen.replicas if not r.healthy}
+        bound = self.timeouts.answer
+
+        async def check(a: Agent, detail: str | None) -> str | None:
+            # An agent reinstalling adapters after an engine restart reaches its engine and can
+            # take a load: only one whose engine stays unreachable for ``bound`` is down.
+            deadline = time.monotonic() + bound
+            why = f"the router sees it down ({detail}) and its agent is silent"
+            while True:
+                try:
+                    h = await asyncio.wait_for(a.client.health(), bound)
+                except (LorafleetError, TimeoutError):
+                    return why
+                if h.status == "ok" or h.engine_reachable:
+                    return None
+                why = f"the router sees it down and its engine is unreachable ({h.detail})"
+                if time.monotonic() >= deadline:
+                    return why
+                await asyncio.sleep(0.2)
+
+        suspects = [
+            a for a in self._agents if a.id in out and a.id not in down and a.id not in skip
+        ]
+        verdicts = await asyncio.gather(*(check(a, out[a.id].detail) for a in suspects))
+        for a, why in zip(suspects, verdicts, strict=True):
+            if why is not None:
+                down[a.id] = why
+        return down
+
+
+@dataclass
+class _Attempt:
+    burnt: bool = False
+    """The attempt failed in a way that keeps its version number taken (``Publication.burns``)."""
 
 
 def _host(url: str) -> str:

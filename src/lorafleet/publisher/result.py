@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["PublishResult", "ReplicaState", "ReplicaTiming", "Timeouts"]
+__all__ = ["Lagging", "PublishResult", "ReplicaState", "ReplicaTiming", "Timeouts"]
 
 
 class ReplicaState(StrEnum):
@@ -16,6 +16,8 @@ class ReplicaState(StrEnum):
     LOADED = "loaded"
     ACTIVE = "active"
     FAILED = "failed"
+    LAGGING = "lagging"
+    """A quorum publication went on without it; the router feeds it from a peer later."""
     ROLLED_BACK = "rolled_back"
     ROLLBACK_PENDING = "rollback_pending"
     """The rollback could not finish here (engine or agent down); ``rollback`` says what stays."""
@@ -49,6 +51,19 @@ class ReplicaTiming:
 
 
 @dataclass
+class Lagging:
+    """A replica that does not hold the published version (a quorum publication)."""
+
+    replica: str
+    since_version: int
+    """The first version of the name it missed."""
+    reason: str
+    retry_at: float
+    """Wall-clock seconds: later quorum publications skip it until then (it may catch up from a
+    peer before)."""
+
+
+@dataclass
 class PublishResult:
     """The outcome of a successful ``Publisher.publish``."""
 
@@ -75,6 +90,10 @@ class PublishResult:
     routable_versions: list[int] = field(default_factory=list)
     """The name's retention window after this publication, newest first (``name@vN``)."""
     warnings: list[str] = field(default_factory=list)
+    lagging: dict[str, Lagging] = field(default_factory=dict)
+    """Quorum: the replicas that did not take this version (by replica id), and why."""
+    quorum: int | None = None
+    """The replicas this publication needed (None: every one)."""
 
 
 @dataclass(frozen=True)
@@ -88,3 +107,10 @@ class Timeouts:
     cutover: float = 30.0
     drain: float = 60.0
     lease_ttl: float = 600.0
+    answer: float = 5.0
+    """An agent's first call in a publication (and the router's word on it): one that does not
+    answer within this, or that the router sees down and whose engine is not ready, fails the
+    publication at once (all replicas required) or is left lagging (a quorum)."""
+    straggler: float = 30.0
+    """Quorum: once the quorum holds v, how long the others may still take before they are left
+    lagging (and rolled back where they answer)."""

@@ -8,6 +8,7 @@ The OpenAPI document covers both: FastAPI's routes declare every status they ans
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import Annotated
 
 import aiohttp
 import click
-from fastapi import Depends, FastAPI, Response
+from fastapi import Depends, FastAPI, Query, Response
 from fastapi import Path as FastAPIPath
 from prometheus_client import generate_latest
 
@@ -38,9 +39,10 @@ from lorafleet._settings import setting
 from lorafleet.errors import InvalidRequest, NotFound, UnknownReplica, VersionConflict
 from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorResponse
-from lorafleet.protocol.names import AdapterName, LeaseHolder
+from lorafleet.protocol.names import AdapterName, LeaseHolder, Version
 from lorafleet.protocol.router import (
     MAX_REPLICA_ID,
+    AddReplicaRequest,
     AliasEntry,
     AliasTable,
     DrainRequest,
@@ -50,12 +52,15 @@ from lorafleet.protocol.router import (
     MoveReplicaRequest,
     ReplicaList,
     ReplicaStatus,
+    Reservation,
+    ReserveRequest,
     RouterHealth,
     SetAliasRequest,
 )
 from lorafleet.protocol.sglang import GenerateRequest
 from lorafleet.router import sglang_api
 from lorafleet.router.balancer import Balancer, Replica
+from lorafleet.router.catchup import CatchUp
 from lorafleet.router.health import HealthPoller
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import DATA_PLANE_ERRORS, MAX_BODY, Proxy
@@ -102,6 +107,15 @@ class RouterConfig:
         help="Seconds an idle pooled connection to an engine or agent is kept (keep it below the "
         "peers' own keep-alive, 5 s for uvicorn-based servers).",
     )
+    catch_up_interval_s: float = setting(
+        1.0,
+        flag="--catch-up-interval",
+        type=click.FloatRange(min=0),
+        help="Seconds between catch-up rounds: a replica that lacks a routable version is fed "
+        "from a peer that holds it (docs/quorum.md); 0 turns catch-up off.",
+    )
+    """How often the router compares each replica's adapters with the table and feeds a
+    lagging or empty one from a peer (``router/catchup.py``)."""
     """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
     which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
     extra: dict = field(default_factory=dict)
@@ -121,6 +135,7 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.proxy: Proxy | None = None
         self.poller: HealthPoller | None = None
+        self.catch_up: CatchUp | None = None
         self.api = _build_api(self)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -157,6 +172,16 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
+        if self.config.catch_up_interval_s > 0:
+            self.catch_up = CatchUp(
+                self.store,
+                self.balancer,
+                self.metrics,
+                token=self.config.agent_token,
+                interval_s=self.config.catch_up_interval_s,
+                on_change=self.prune_metrics,
+            )
+            self.catch_up.start()
         self.proxy = Proxy(
             self.store,
             self.balancer,
@@ -169,6 +194,8 @@ class RouterApp:
             yield
         finally:
             self.proxy = None
+            if self.catch_up is not None:
+                await self.catch_up.stop()
             await self.poller.stop()
             await pooled.close()
             await fresh.close()
@@ -203,6 +230,12 @@ class RouterApp:
             gauge.set(self.balancer.count(adapter, version))
         for r in self.balancer.replicas:
             self.metrics.replica_inflight.labels(r.replica_id or r.agent_url).set(r.inflight)
+        self.metrics.lagging.clear()
+        self.metrics.lagging_since.clear()
+        for name, e in self.store.aliases.items():
+            for rid, lag in e.lagging.items():
+                self.metrics.lagging.labels(name, rid).set(1)
+                self.metrics.lagging_since.labels(name, rid).set(lag.since_version)
 
 
 def _status(r: Replica) -> ReplicaStatus:
@@ -308,6 +341,10 @@ def _build_api(router: RouterApp) -> FastAPI:
         """The atomic flip. 409: ``version_conflict`` (compare-and-set, not newer),
         ``publish_in_progress`` (another lease holder), ``unknown_replica``."""
         await check_replicas(req.replicas)
+        # Lagging replicas are reported by id or, for one never reached, its agent URL.
+        names = {r.agent_url: r.replica_id or r.agent_url for r in balancer.replicas}
+        names.update({i: i for i in known_ids()})
+        lagging = {names[k]: v for k, v in req.lagging.items() if k in names}
         kw = {}
         # An explicit null means "no alias yet"; an absent field means "no compare-and-set".
         if "expected_version" in req.model_fields_set:
@@ -321,10 +358,37 @@ def _build_api(router: RouterApp) -> FastAPI:
             keep_versions=req.keep_versions,
             max_staleness=req.max_staleness,
             sessions=req.sessions,
+            digest=req.digest,
+            lagging=lagging,
             **kw,
         )
         router.prune_metrics()
         return entry
+
+    @app.post(
+        "/v1/control/aliases/{name}/reserve",
+        dependencies=ctl,
+        response_model=Reservation,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def reserve(name: AdapterName, req: ReserveRequest) -> Reservation:
+        """The next version number of ``name`` for the lease's holder: above the active one and
+        every number handed out before (persisted). 409 ``version_conflict`` for a number asked
+        for that is not, ``publish_in_progress`` for another holder's lease."""
+        return Reservation(name=name, version=store.reserve(name, req.holder, req.version))
+
+    @app.delete(
+        "/v1/control/aliases/{name}/reserve/{version}",
+        dependencies=ctl,
+        status_code=204,
+        response_class=Response,
+        responses=errors(*guarded, 409, 413),
+    )
+    async def release_version(name: AdapterName, version: Version, holder: LeaseHolder) -> Response:
+        """Give back the newest number handed out: its attempt reached no engine (idempotent;
+        a number that was flipped to, or is not the newest, stays taken)."""
+        store.release_version(name, holder, version)
+        return Response(status_code=204)
 
     @app.delete(
         "/v1/control/aliases/{name}",
@@ -443,6 +507,63 @@ def _build_api(router: RouterApp) -> FastAPI:
             r.replica_id, was, url, len(names),
         )  # fmt: skip
         return _status(r)
+
+    @app.post(
+        "/v1/control/replicas",
+        dependencies=ctl,
+        status_code=201,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 413),
+    )
+    async def add_replica(req: AddReplicaRequest) -> ReplicaStatus:
+        """A new member: polled from now on, routed nothing until catch-up has fed it each
+        routable version from a peer (verified, loaded, proven). The same URL again changes
+        nothing (a retry is safe)."""
+        try:
+            url = check_peer_url(req.agent_url)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="agent_url") from None
+        same = [r for r in balancer.replicas if r.agent_url == url]
+        if same:
+            return _status(same[0])
+        r = balancer.add(url)
+        if router.poller is not None:
+            await router.poller.poll_once()
+            router.poller.watch(r)
+        log.warning("replica %s added at %s; catch-up feeds it", r.replica_id, url)
+        return _status(r)
+
+    @app.delete(
+        "/v1/control/replicas/{replica_id}",
+        dependencies=ctl,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 404, 413),
+    )
+    async def remove_replica(
+        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)],
+        drain_s: Annotated[float, Query(ge=0, le=3600)] = 30.0,
+    ) -> ReplicaStatus:
+        """A member leaves: taken off every version at once (no new request goes there), then
+        drained (its requests in flight finish, up to ``drain_s``), then forgotten. Its answer
+        says how many requests were still in flight when it was forgotten (0: drained)."""
+        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
+        if not found:
+            raise NotFound(
+                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
+                param="replica_id",
+            )
+        r = found[0]
+        store.forget_replica(r.replica_id or r.agent_url, member=False)
+        deadline = time.monotonic() + drain_s
+        while r.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        status = _status(r)
+        if router.poller is not None:
+            await router.poller.unwatch(r)
+        balancer.remove(r)
+        router.prune_metrics()
+        log.warning("replica %s removed (%d in flight)", status.replica_id, status.inflight)
+        return status
 
     app.include_router(sglang_api.routes(router, inference, keyed))
     finish_openapi(app, lambda schema: _document_data_plane(schema, cfg.api_key is not None))

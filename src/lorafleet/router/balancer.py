@@ -88,6 +88,19 @@ class Balancer:
         for session in [s for s, got in self.sessions.items() if got is r]:
             del self.sessions[session]
 
+    def add(self, agent_url: str) -> Replica:
+        """A new replica (membership): out of rotation until its first good probe."""
+        r = Replica(agent_url=agent_url.rstrip("/"))
+        self.replicas.append(r)
+        return r
+
+    def remove(self, r: Replica) -> None:
+        """Forget a replica (it was drained first): no session sticks to it."""
+        self.replicas = [x for x in self.replicas if x is not r]
+        for session in [s for s, got in self.sessions.items() if got is r]:
+            del self.sessions[session]
+        self.reindex()
+
     def base_models(self) -> set[str]:
         return {r.base_model for r in self.replicas if r.base_model}
 

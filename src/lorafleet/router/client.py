@@ -12,15 +12,19 @@ import httpx
 
 from lorafleet._http import async_client, bearer, map_transport_errors, raise_for_status
 from lorafleet.protocol.router import (
+    AddReplicaRequest,
     AliasEntry,
     AliasTable,
     DrainRequest,
     DrainResponse,
+    LagState,
     Lease,
     LeaseRequest,
     MoveReplicaRequest,
     ReplicaList,
     ReplicaStatus,
+    Reservation,
+    ReserveRequest,
     SessionPolicy,
     SetAliasRequest,
 )
@@ -82,6 +86,8 @@ class AsyncRouterClient:
         keep_versions: int = 1,
         max_staleness: int | None = None,
         sessions: SessionPolicy = "pin",
+        digest: str | None = None,
+        lagging: dict[str, LagState] | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``, keeping the newest ``keep_versions`` routable.
 
@@ -89,7 +95,8 @@ class AsyncRouterClient:
         alias may exist yet); the default ``NO_CAS`` skips the check.
 
         Raises ``VersionConflict`` (CAS failed or not newer) or ``PublishInProgress`` (another
-        holder's lease).
+        holder's lease). ``replicas`` hold it verified with ``digest``; ``lagging`` (a quorum
+        publication): the replicas that did not take it, and why.
         """
         req = SetAliasRequest(
             version=version,
@@ -99,6 +106,8 @@ class AsyncRouterClient:
             keep_versions=keep_versions,
             max_staleness=max_staleness,
             sessions=sessions,
+            digest=digest,
+            lagging=lagging or {},
         )
         body = req.model_dump(exclude={"expected_version"})
         if not isinstance(expected_version, _NoCas):
@@ -122,6 +131,22 @@ class AsyncRouterClient:
                 timeout=httpx.Timeout(timeout_s + 30.0, connect=5.0),
             )
         return DrainResponse.model_validate_json(raise_for_status(resp).content)
+
+    async def reserve(self, name: str, holder: str, version: int | None = None) -> int:
+        """The next version number of ``name`` (never handed out twice; see the router)."""
+        body = ReserveRequest(holder=holder, version=version).model_dump()
+        r = await self._call(
+            "POST", f"/v1/control/aliases/{quote(name, safe='')}/reserve", json=body
+        )
+        return Reservation.model_validate_json(r.content).version
+
+    async def release_version(self, name: str, holder: str, version: int) -> None:
+        """Give ``version`` back: the attempt that took it reached no engine."""
+        await self._call(
+            "DELETE",
+            f"/v1/control/aliases/{quote(name, safe='')}/reserve/{version}",
+            params={"holder": holder},
+        )
 
     async def acquire_lease(self, name: str, holder: str, ttl_s: float = 300.0) -> Lease:
         """Take or renew the publish lease; RemoteError ``publish_in_progress`` if held."""
@@ -148,5 +173,21 @@ class AsyncRouterClient:
             "PUT",
             f"/v1/control/replicas/{quote(replica_id, safe='')}",
             json=MoveReplicaRequest(agent_url=agent_url).model_dump(),
+        )
+        return ReplicaStatus.model_validate_json(r.content)
+
+    async def add_replica(self, agent_url: str) -> ReplicaStatus:
+        """A replica joins the fleet; catch-up feeds it before it is routed anything."""
+        body = AddReplicaRequest(agent_url=agent_url).model_dump()
+        r = await self._call("POST", "/v1/control/replicas", json=body)
+        return ReplicaStatus.model_validate_json(r.content)
+
+    async def remove_replica(self, replica_id: str, drain_s: float = 30.0) -> ReplicaStatus:
+        """A replica leaves: off every version, drained (up to ``drain_s``), forgotten."""
+        r = await self._call(
+            "DELETE",
+            f"/v1/control/replicas/{quote(replica_id, safe='')}",
+            params={"drain_s": drain_s},
+            timeout=httpx.Timeout(drain_s + 30.0, connect=5.0),
         )
         return ReplicaStatus.model_validate_json(r.content)

@@ -48,6 +48,7 @@ class HealthPoller:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.on_change = on_change
         self._tasks: list[asyncio.Task] = []
+        self._by_replica: dict[int, asyncio.Task] = {}
 
     async def _probe(self, r: Replica, url: str) -> None:
         """Raise if the agent at ``url`` cannot take traffic; refresh its identity when needed."""
@@ -111,6 +112,23 @@ class HealthPoller:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run(r)) for r in self.balancer.replicas]
+        self._by_replica = dict(zip(map(id, self.balancer.replicas), self._tasks, strict=True))
+
+    def watch(self, r: Replica) -> None:
+        """Poll a replica added after ``start`` (membership)."""
+        task = asyncio.create_task(self._run(r))
+        self._tasks.append(task)
+        self._by_replica[id(r)] = task
+
+    async def unwatch(self, r: Replica) -> None:
+        """Stop polling a removed replica."""
+        task = self._by_replica.pop(id(r), None)
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self._tasks.remove(task)
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -67,6 +67,25 @@ class RouterMetrics:
             buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32, 64),
             registry=self.registry,
         )
+        self.lagging = Gauge(
+            "lorafleet_router_replica_lagging",
+            "1 while the replica does not hold the name's newest version (quorum publication, "
+            "catch-up pending); the value of lagging_since is the first version it missed",
+            ["adapter", "replica"],
+            registry=self.registry,
+        )
+        self.lagging_since = Gauge(
+            "lorafleet_router_replica_lagging_since_version",
+            "The first version of the name the lagging replica missed",
+            ["adapter", "replica"],
+            registry=self.registry,
+        )
+        self.catch_ups = Counter(
+            "lorafleet_router_catch_ups",
+            "Catch-ups of a replica from a peer agent, by outcome (ok, failed)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._lags: dict[str, Histogram] = {}
         self._children: dict[tuple, tuple] = {}
         self._counters: dict[tuple, Counter] = {}

@@ -26,6 +26,7 @@ from lorafleet.protocol.router import (
     AliasEntry,
     AliasEvent,
     AliasTable,
+    LagState,
     Lease,
     RoutableVersion,
     SessionPolicy,
@@ -57,6 +58,11 @@ class AliasStore:
         self.log: list[AliasEvent] = []
         self.seq = 0
         self.leases: dict[str, LeaseRecord] = {}
+        self.reserved: dict[str, int] = {}
+        """name -> the highest version number handed out (``reserve``); never handed out again
+        unless given back by ``release_version``."""
+        self._given: dict[str, int] = {}
+        """name -> what ``reserved`` was before the last reservation (for ``release_version``)."""
         self.path = Path(state_dir) / STATE_FILE if state_dir else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +78,8 @@ class AliasStore:
         self.log = [AliasEvent.model_validate(e) for e in raw["log"]]
         self.seq = int(raw["seq"])
         self.leases = {k: LeaseRecord(**v) for k, v in raw.get("leases", {}).items()}
+        self.reserved = {k: int(v) for k, v in raw.get("reserved", {}).items()}
+        self._given = {k: int(v) for k, v in raw.get("given", {}).items()}
         # A file an older router wrote may hold what the name rule now refuses (a name with a
         # newline, an empty engine name or lease holder): it could never be served or released.
         for name, entry in list(self.aliases.items()):
@@ -105,6 +113,8 @@ class AliasStore:
             "leases": {
                 k: {"holder": v.holder, "expires_at": v.expires_at} for k, v in leases.items()
             },
+            "reserved": self.reserved,
+            "given": self._given,
         }
         atomic_write(self.path, json.dumps(doc, separators=(",", ":")).encode())
 
@@ -148,8 +158,14 @@ class AliasStore:
         keep_versions: int = 1,
         max_staleness: int | None = None,
         sessions: SessionPolicy = "pin",
+        digest: str | None = None,
+        lagging: dict[str, LagState] | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
+
+        ``replicas`` hold it verified with ``digest``; ``lagging`` (a quorum publication) says
+        why the others do not. A replica that was lagging before and is not among ``replicas``
+        stays lagging, since the version it first missed.
 
         The new window is ``version`` plus the newest ``keep_versions - 1`` versions that were
         routable before (the versions that fall out are no longer routable for new requests).
@@ -171,8 +187,22 @@ class AliasStore:
                 param="version",
             )
         event = self._append(name, version, engine_name)
-        newest = RoutableVersion(version=version, engine_name=engine_name, replicas=list(replicas))
+        newest = RoutableVersion(
+            version=version, engine_name=engine_name, replicas=list(replicas), digest=digest
+        )
         kept = current.window() if current else []
+        lag = {r: st for r, st in (current.lagging if current else {}).items() if r not in replicas}
+        for r, st in (lagging or {}).items():
+            if r in replicas:
+                continue
+            before = lag.get(r)
+            lag[r] = (
+                st.model_copy(
+                    update={"since_version": before.since_version, "failures": before.failures + 1}
+                )
+                if before is not None
+                else st
+            )
         entry = AliasEntry(
             name=name,
             version=version,
@@ -183,9 +213,13 @@ class AliasStore:
             max_staleness=max_staleness,
             sessions=sessions,
             routable=[newest, *kept][:keep_versions],
+            lagging=lag,
         )
         aliases = {**self.aliases, name: entry}
         log = [*self.log, event][-MAX_LOG:]
+        # A version flipped to is taken, whoever chose its number (persisted with the flip).
+        self.reserved[name] = max(self.reserved.get(name, 0), version)
+        self._given.pop(name, None)
         self._persist(aliases, log, event.seq, self.leases)
         # Swap after the write: what the caller is told is what a restart will find. The write
         # and the swap run in one synchronous block, so no request is resolved between them and
@@ -205,10 +239,11 @@ class AliasStore:
         self.aliases, self.log, self.seq = aliases, log, event.seq
         return event
 
-    def forget_replica(self, replica_id: str) -> list[str]:
+    def forget_replica(self, replica_id: str, *, member: bool = True) -> list[str]:
         """Take ``replica_id`` off every routable version (it was re-placed and holds none of
-        them now). Returns the names whose holders changed; a version left without a holder
-        answers 503 ``no_replica`` until a publication lists one again."""
+        them now, or it leaves the fleet: ``member=False`` also drops its lagging state).
+        Returns the names whose holders changed; a version left without a holder answers 503
+        ``no_replica`` until a publication or a catch-up lists one again."""
 
         def without(ids: list[str]) -> list[str]:
             return [r for r in ids if r != replica_id]
@@ -216,17 +251,129 @@ class AliasStore:
         changed = {}
         for name, entry in self.aliases.items():
             window = entry.window()
-            if not any(replica_id in v.replicas for v in window):
+            lagging = entry.lagging
+            if not member and replica_id in lagging:
+                lagging = {r: st for r, st in lagging.items() if r != replica_id}
+            elif not any(replica_id in v.replicas for v in window):
                 continue
             routable = [v.model_copy(update={"replicas": without(v.replicas)}) for v in window]
             changed[name] = entry.model_copy(
-                update={"replicas": without(entry.replicas), "routable": routable}
+                update={
+                    "replicas": without(entry.replicas),
+                    "routable": routable,
+                    "lagging": lagging,
+                }
             )
         if changed:
             aliases = {**self.aliases, **changed}
             self._persist(aliases, self.log, self.seq, self.leases)
             self.aliases = aliases
         return sorted(changed)
+
+    # --- quorum: holders, lagging replicas and version numbers ---------------------------------
+
+    def _replace(self, name: str, entry: AliasEntry) -> AliasEntry:
+        aliases = {**self.aliases, name: entry}
+        self._persist(aliases, self.log, self.seq, self.leases)
+        self.aliases = aliases
+        return entry
+
+    def add_holder(self, name: str, version: int, digest: str, replica_id: str) -> bool:
+        """``replica_id`` caught up: it holds ``version`` verified with ``digest`` (it was
+        loaded and proven). False (nothing changes) when that version is no longer routable or
+        its digest is another one: a claim for other bytes is never listed."""
+        entry = self.aliases.get(name)
+        if entry is None:
+            return False
+        window = entry.window()
+        ref = next((v for v in window if v.version == version), None)
+        if ref is None or (ref.digest is not None and ref.digest != digest):
+            return False
+        if replica_id in ref.replicas:
+            return True
+        routable = [
+            v.model_copy(update={"replicas": [*v.replicas, replica_id]}) if v is ref else v
+            for v in window
+        ]
+        update: dict = {"routable": routable}
+        if version == entry.version:
+            update["replicas"] = [*entry.replicas, replica_id]
+            update["lagging"] = {r: s for r, s in entry.lagging.items() if r != replica_id}
+        self._replace(name, entry.model_copy(update=update))
+        return True
+
+    def drop_holder(self, name: str, version: int, replica_id: str, reason: str) -> bool:
+        """``replica_id`` no longer holds ``version`` (its store was wiped, its engine lost it):
+        off that version's replicas, lagging on the newest. True if it was listed."""
+        entry = self.aliases.get(name)
+        if entry is None:
+            return False
+        window = entry.window()
+        if not any(v.version == version and replica_id in v.replicas for v in window):
+            return False
+        routable = [
+            v.model_copy(update={"replicas": [r for r in v.replicas if r != replica_id]})
+            if v.version == version
+            else v
+            for v in window
+        ]
+        update: dict = {"routable": routable}
+        if version == entry.version:
+            update["replicas"] = [r for r in entry.replicas if r != replica_id]
+            update["lagging"] = {
+                **entry.lagging,
+                replica_id: LagState(since_version=version, reason=reason, retry_at=0.0),
+            }
+        self._replace(name, entry.model_copy(update=update))
+        return True
+
+    def note_lag(self, name: str, replica_id: str, reason: str, retry_at: float) -> None:
+        """A catch-up of ``replica_id`` failed: count it, say why, and when to try again."""
+        entry = self.aliases.get(name)
+        if entry is None or replica_id in entry.replicas:
+            return
+        before = entry.lagging.get(replica_id)
+        st = LagState(
+            since_version=before.since_version if before else entry.version,
+            reason=reason[:2048],
+            failures=(before.failures + 1) if before else 1,
+            retry_at=retry_at,
+        )
+        self._replace(name, entry.model_copy(update={"lagging": {**entry.lagging, replica_id: st}}))
+
+    def reserve(self, name: str, holder: str, version: int | None = None) -> int:
+        """Hand out the next version number of ``name`` to the lease ``holder``: above the
+        active version and above every number handed out before (a failed attempt's number is
+        burnt unless given back). Raises ``PublishInProgress`` (another holder's lease) and
+        ``VersionConflict`` (``version`` asked for is not above them)."""
+        self._check_lease(name, holder)
+        entry = self.aliases.get(name)
+        floor = max(self.reserved.get(name, 0), entry.version if entry else 0)
+        if version is None:
+            version = floor + 1
+        elif version <= floor:
+            raise VersionConflict(
+                f"{name!r}: version {version} is not above v{floor}, the newest number handed "
+                "out (a number a failed attempt used is never reused)",
+                param="version",
+            )
+        self._given[name] = self.reserved.get(name, 0)
+        self.reserved[name] = version
+        self._persist(self.aliases, self.log, self.seq, self.leases)
+        return version
+
+    def release_version(self, name: str, holder: str, version: int) -> bool:
+        """Give ``version`` back: its attempt failed before any byte reached an engine, so the
+        next publication may take it. Only the newest number handed out, only by the lease's
+        holder, only if never flipped to. Idempotent; True if it was given back."""
+        self._check_lease(name, holder)
+        entry = self.aliases.get(name)
+        if self.reserved.get(name) != version or (entry is not None and entry.version >= version):
+            return False
+        prev = self._given.pop(name, version - 1)
+        self.reserved[name] = min(prev, version - 1)
+        self._persist(self.aliases, self.log, self.seq, self.leases)
+        return True
 
     def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
         """Grant or renew; ``PublishInProgress`` if another holder has it."""

@@ -1,0 +1,308 @@
+"""Catch-up: a replica that lacks a routable version gets it from a peer, never the trainer.
+
+The router knows which replicas hold each routable version (``RoutableVersion.replicas``) and
+which are lagging (``AliasEntry.lagging``). One loop per router looks at every replica in
+rotation: it lists what the agent holds and compares it with the table.
+
+- A replica listed for a version it no longer holds with the version's digest (its store was
+  wiped, its agent restarted empty) is taken off that version at once: it is never routed a
+  version it was not verified for.
+- A replica that lacks a version is fed from a peer that holds it: the lagging agent opens an
+  upload session that takes relayed bytes from one credential minted for this catch-up alone
+  (the relay's per-publication credential, ``agent/relay.py``); the peer agent PUTs the files it
+  holds into it; the lagging agent verifies each by size and sha-256 as for any upload, commits,
+  loads, and proves the version with its application probe. Only then is it listed for the
+  version (``AliasStore.add_holder``, which refuses a claim for other bytes).
+
+A name whose publish lease is held is left alone: a publication is under way and owns its
+replicas until its flip. A failed catch-up is recorded on the name's lagging state and tried again
+after a backoff (1 s doubling to 30 s). Versions are caught up oldest first (an agent refuses a
+version older than one it has loaded), and only under immutable engine names (``name@vN``): an
+in-place name is not the router's to restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+import httpx
+
+from lorafleet._http import async_client
+from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.errors import LorafleetError
+from lorafleet.protocol.agent import (
+    AdapterRecord,
+    AdapterState,
+    ForwardTarget,
+    RelayAccept,
+    SendRequest,
+    credential_digest,
+    engine_name,
+)
+from lorafleet.protocol.router import AliasEntry, RoutableVersion
+from lorafleet.router.balancer import Balancer, Replica
+from lorafleet.router.metrics import RouterMetrics
+from lorafleet.router.table import AliasStore
+
+__all__ = ["CatchUp"]
+
+log = logging.getLogger("lorafleet.router.catchup")
+
+_HELD = (AdapterState.LOADED, AdapterState.ACTIVE)
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+class CatchUpFailed(Exception):
+    """One catch-up step failed; the message says which and why."""
+
+
+def holds(records: list[AdapterRecord], name: str, ref: RoutableVersion) -> AdapterRecord | None:
+    """The record by which an agent holds ``ref`` (loaded, with its digest, not disproven)."""
+    for r in records:
+        if (
+            r.name == name
+            and r.version == ref.version
+            and r.state in _HELD
+            and r.mode == "versioned"
+            and (ref.digest is None or r.digest == ref.digest)
+            and r.application != "not_applied"
+        ):
+            return r
+    return None
+
+
+class CatchUp:
+    """The router's catch-up loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: AliasStore,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        *,
+        token: str | None,
+        interval_s: float = 1.0,
+        call_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 600.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.balancer = balancer
+        self.metrics = metrics
+        self.token = token
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.on_change = on_change
+        self._http: httpx.AsyncClient | None = None
+        self._busy: dict[str, asyncio.Task] = {}
+        self._retry: dict[tuple[str, str], tuple[float, float]] = {}
+        """(replica, name) -> (monotonic time of the next try, the delay that led to it)."""
+        self._task: asyncio.Task | None = None
+        self._rr = 0
+
+    def client(self, url: str) -> AsyncAgentClient:
+        assert self._http is not None
+        return AsyncAgentClient(url, self.token, client=self._http)
+
+    def start(self) -> None:
+        self._http = async_client(timeout=httpx.Timeout(self.call_timeout_s, connect=3.0))
+        self._task = asyncio.create_task(self._run(), name="catch-up")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._busy.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # never let one bad round stop catch-up
+                log.exception("catch-up round failed")
+
+    def tick(self) -> None:
+        """Start a round for every replica in rotation that has none running."""
+        for r in list(self.balancer.replicas):
+            rid = r.replica_id
+            if not rid or not r.routable or rid in self._busy:
+                continue
+            task = asyncio.create_task(self.replica_round(r), name=f"catch-up {rid}")
+            self._busy[rid] = task
+            task.add_done_callback(lambda _t, rid=rid: self._busy.pop(rid, None))
+
+    # -- one replica ----------------------------------------------------------------------------
+    async def replica_round(self, r: Replica) -> None:
+        """Compare what ``r``'s agent holds with the table; drop false claims, catch up gaps."""
+        rid = r.replica_id
+        assert rid is not None
+        seqs = self._quiet_names()
+        try:
+            records = await self.client(r.agent_url).list_adapters()
+        except LorafleetError:
+            return  # its health poll takes it out if it stays silent
+        now = self._quiet_names()
+        for name, entry in list(self.store.aliases.items()):
+            if seqs.get(name) is None or now.get(name) != seqs[name]:
+                continue  # a publication holds the name, or flipped it since the listing
+            changed = False
+            for ref in sorted(entry.window(), key=lambda v: v.version):
+                if ref.engine_name != engine_name(name, ref.version):
+                    continue  # in place: the plain name is not restored by the router
+                mine = holds(records, name, ref)
+                if rid in ref.replicas:
+                    if mine is None:
+                        why = "listed, but its agent no longer holds it with this digest"
+                        changed |= self.store.drop_holder(name, ref.version, rid, why)
+                        log.warning("replica %s: %s v%d %s", rid, name, ref.version, why)
+                    continue
+                newer = [
+                    x.version
+                    for x in records
+                    if x.name == name and x.state in _HELD and x.version > ref.version
+                ]
+                if newer or not self._due(rid, name):
+                    continue  # an agent refuses a version older than one it has loaded
+                try:
+                    await self.catch_up(r, name, entry, ref, mine)
+                except (CatchUpFailed, LorafleetError, TimeoutError) as exc:
+                    self._failed(rid, name, f"catch-up of v{ref.version}: {exc}")
+                    break
+                self._retry.pop((rid, name), None)
+                self.metrics.catch_ups.labels("ok").inc()
+                changed = True
+                records = await self.client(r.agent_url).list_adapters()
+            if changed and self.on_change is not None:
+                self.on_change()
+            if changed:
+                await self._release_left_behind(r, name)
+
+    def _quiet_names(self) -> dict[str, int]:
+        """Name -> the seq of its entry, for the names no publication holds right now."""
+        return {n: e.seq for n, e in self.store.aliases.items() if self.store.lease_of(n) is None}
+
+    def _due(self, rid: str, name: str) -> bool:
+        got = self._retry.get((rid, name))
+        return got is None or time.monotonic() >= got[0]
+
+    def _failed(self, rid: str, name: str, why: str) -> None:
+        _, delay = self._retry.get((rid, name), (0.0, BACKOFF_MIN_S / 2))
+        delay = min(BACKOFF_MAX_S, delay * 2)
+        self._retry[(rid, name)] = (time.monotonic() + delay, delay)
+        self.metrics.catch_ups.labels("failed").inc()
+        self.store.note_lag(name, rid, why, retry_at=time.time() + delay)
+        log.warning("replica %s: %s; next try in %.0fs", rid, why, delay)
+
+    def _source(self, ref: RoutableVersion, not_: Replica) -> Replica | None:
+        peers = [
+            p
+            for p in self.balancer.candidates(ref.replicas)
+            if p is not not_ and p.agent_url != not_.agent_url
+        ]
+        if not peers:
+            return None
+        self._rr = (self._rr + 1) % len(peers)
+        return peers[self._rr]
+
+    async def catch_up(
+        self,
+        r: Replica,
+        name: str,
+        entry: AliasEntry,
+        ref: RoutableVersion,
+        mine: AdapterRecord | None,
+    ) -> None:
+        """Get ``ref`` onto ``r`` from a peer, load it, prove it, list it. Raises
+        ``CatchUpFailed`` / ``LorafleetError`` / ``TimeoutError``."""
+        rid, v = r.replica_id, ref.version
+        assert rid is not None
+        target = self.client(r.agent_url)
+        bound = self.call_timeout_s
+        if mine is None:
+            src = self._source(ref, r)
+            if src is None:
+                raise CatchUpFailed("no peer in rotation holds it")
+            peer = self.client(src.agent_url)
+            manifest = await asyncio.wait_for(peer.manifest(name, v), bound)
+            if ref.digest is not None and manifest.digest != ref.digest:
+                raise CatchUpFailed(f"peer {src.replica_id} holds other bytes under v{v}")
+            # Other bytes under this engine name (a failed attempt's leftover) go first.
+            for rec in await asyncio.wait_for(target.list_adapters(), bound):
+                if rec.name == name and rec.version == v and rec.digest != manifest.digest:
+                    await asyncio.wait_for(target.unload(name, v), bound)
+            credential = secrets.token_urlsafe(32)
+            accept = RelayAccept(credential_sha256=credential_digest(credential))
+            session = await asyncio.wait_for(
+                target.open_upload(manifest, supersede=True, relay=accept), bound
+            )
+            try:
+                if session.missing:
+                    sent = await asyncio.wait_for(
+                        peer.send(
+                            SendRequest(
+                                name=name,
+                                version=v,
+                                target=ForwardTarget(
+                                    url=r.agent_url,
+                                    upload_id=session.upload_id,
+                                    answer_timeout_s=self.transfer_timeout_s,
+                                ),
+                                credential=credential,
+                                paths=session.missing,
+                            ),
+                            self.transfer_timeout_s,
+                        ),
+                        self.transfer_timeout_s,
+                    )
+                    bad = [h for h in sent.hops if not h.ok]
+                    if bad or len(sent.hops) != len(session.missing):
+                        why = f"{bad[0].path}: {bad[0].code} {bad[0].detail}" if bad else "short"
+                        raise CatchUpFailed(f"peer {src.replica_id} could not send it ({why})")
+                await asyncio.wait_for(target.commit(session.upload_id), bound)
+            except BaseException:
+                with contextlib.suppress(LorafleetError, TimeoutError):
+                    await asyncio.wait_for(target.discard(session.upload_id), bound)
+                raise
+            await asyncio.wait_for(target.load(name, v), self.transfer_timeout_s)
+        rec = await asyncio.wait_for(target.verify(name, v), self.transfer_timeout_s)
+        if ref.digest is not None and rec.digest != ref.digest:
+            raise CatchUpFailed(f"it verified other bytes ({rec.digest[:12]})")
+        current = self.store.aliases.get(name)
+        if all(x is not r for x in self.balancer.replicas):
+            raise CatchUpFailed("the replica left the fleet meanwhile")
+        if current is None or self.store.lease_of(name) is not None:
+            raise CatchUpFailed("a publication started meanwhile; tried again after it")
+        if v == current.version:
+            await asyncio.wait_for(target.activate(name, v), bound)
+        if not self.store.add_holder(name, v, rec.digest, rid):
+            raise CatchUpFailed(f"v{v} is no longer routable with digest {rec.digest[:12]}")
+        log.info("replica %s caught up on %s v%d", rid, name, v)
+
+    async def _release_left_behind(self, r: Replica, name: str) -> None:
+        """Unload what ``r`` holds of ``name`` below the window: nothing routes to it there."""
+        entry = self.store.aliases.get(name)
+        if entry is None or self.store.lease_of(name) is not None:
+            return
+        window = {v.version for v in entry.window()}
+        target = self.client(r.agent_url)
+        with contextlib.suppress(LorafleetError, TimeoutError):
+            for rec in await asyncio.wait_for(target.list_adapters(), self.call_timeout_s):
+                if (
+                    rec.name == name
+                    and rec.version < min(window)
+                    and rec.state != AdapterState.ACTIVE
+                    and self.balancer.count(name, rec.version) == 0
+                ):
+                    await asyncio.wait_for(target.unload(name, rec.version), self.call_timeout_s)
