@@ -6,9 +6,28 @@ import os
 
 import click
 
+from lorafleet._settings import click_options, from_options
 from lorafleet.launch.listen import fd_option
 
 __all__ = ["command"]
+
+
+def _config_options(f):
+    from lorafleet.front.service import FrontConfig
+
+    return click_options(FrontConfig)(f)
+
+
+def _upload_options(f):
+    from lorafleet.front.uploads import UploadDirLimits
+
+    return click_options(UploadDirLimits)(f)
+
+
+def _default_dialect() -> str:
+    from lorafleet.front.service import FrontConfig
+
+    return FrontConfig.dialect
 
 
 def _dialect_names() -> list[str]:
@@ -63,31 +82,11 @@ def _dialect_names() -> list[str]:
     show_default=True,
     help="Comma-separated addresses or networks allowed to call control without a token.",
 )
-@click.option(
-    "--name-pattern",
-    default=r"^(?P<name>.+)-v(?P<version>\d+)$",
-    show_default=True,
-    help="Regex with groups name and version: trl-policy-v7 is trl-policy version 7. A name it "
-    "does not match is the next version of that name.",
-)
-@click.option(
-    "--keep-versions",
-    default=2,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Versions of a name kept routable (the retention window).",
-)
-@click.option(
-    "--min-replicas",
-    default=None,
-    help="Quorum for each publication: a count or a fraction like 0.75 (docs/quorum.md) "
-    "[default: every replica].",
-)
-@click.option("--dtype", default=None, help="dtype /server_info reports (default: the model's).")
+@_config_options
 @click.option(
     "--dialect",
     type=click.Choice(_dialect_names()),
-    default="vllm",
+    default=_default_dialect(),
     show_default=True,
     help="Which server's API to speak (lorafleet.front.dialects).",
 )
@@ -98,26 +97,7 @@ def _dialect_names() -> list[str]:
     help="Stage remote uploads here (the skyrl dialect's PUT /skyrl/v1/lora-adapters/...); its "
     "skyrl-uploads/ subdirectory is the front's and is emptied at start. Default: uploads off.",
 )
-@click.option(
-    "--upload-max-file-bytes",
-    type=click.IntRange(min=1),
-    default=128 << 30,
-    show_default=True,
-    help="Per-file cap of a remote upload (a larger declared size is a 413).",
-)
-@click.option(
-    "--upload-quota-bytes",
-    type=click.IntRange(min=1),
-    default=None,
-    help="All staged uploads together (default: the free disk).",
-)
-@click.option(
-    "--upload-ttl",
-    type=click.FloatRange(min=0.1),
-    default=600.0,
-    show_default=True,
-    help="Seconds an upload may sit idle (no PUT, no load) before it is reaped.",
-)
+@_upload_options
 @click.option("--log-level", default="warning", show_default=True)
 def command(
     agents: str,
@@ -131,16 +111,10 @@ def command(
     trainer_token: str | None,
     allow_unauthenticated_control: bool,
     control_allow_from: str,
-    name_pattern: str,
-    keep_versions: int,
-    min_replicas: str | None,
-    dtype: str | None,
     dialect: str,
     upload_dir: str | None,
-    upload_max_file_bytes: int,
-    upload_quota_bytes: int | None,
-    upload_ttl: float,
     log_level: str,
+    **options,
 ) -> None:
     """Speak one inference server's API over a fleet (--dialect vllm: TRL, prime-rl, AReaL;
     sglang: AReaL): loads become publications."""
@@ -150,7 +124,6 @@ def command(
     from lorafleet.front.service import FrontConfig, parse_networks
     from lorafleet.front.uploads import UploadDirLimits
     from lorafleet.launch.listen import listen_address, serve
-    from lorafleet.publisher.cli import parse_min_replicas
 
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
@@ -163,7 +136,10 @@ def command(
         )
     try:
         networks = parse_networks(control_allow_from.split(","))
-        cfg = FrontConfig(
+        upload_limits = from_options(UploadDirLimits, options)
+        cfg = from_options(
+            FrontConfig,
+            options,
             agents=urls,
             router=router,
             shared_dirs=[Path(d) for d in shared_dirs],
@@ -172,17 +148,9 @@ def command(
             trainer_token=trainer_token or None,
             allow_unauthenticated_control=allow_unauthenticated_control,
             control_allow_from=networks,
-            name_pattern=name_pattern,
-            keep_versions=keep_versions,
-            min_replicas=parse_min_replicas(min_replicas),
-            dtype=dtype,
             dialect=dialect,
             upload_dir=Path(upload_dir) if upload_dir else None,
-            upload_limits=UploadDirLimits(
-                max_file_bytes=upload_max_file_bytes,
-                quota_bytes=upload_quota_bytes,
-                ttl_s=upload_ttl,
-            ),
+            upload_limits=upload_limits,
         )
         app = create_app(cfg)
     except ValueError as exc:

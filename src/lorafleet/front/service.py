@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
 import httpx
 
 from lorafleet._http import async_client
 from lorafleet._service import check_token
+from lorafleet._settings import setting
 from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.errors import (
     AdapterNotFound,
@@ -41,6 +43,7 @@ from lorafleet.front.uploads import SkyRLUploads, UploadDirLimits
 from lorafleet.protocol.agent import AgentInfo
 from lorafleet.protocol.router import AliasEntry
 from lorafleet.publisher import AsyncPublisher, PublishResult
+from lorafleet.publisher.cli import MinReplicas
 from lorafleet.router.client import AsyncRouterClient
 
 __all__ = ["Front", "FrontConfig", "Network"]
@@ -69,11 +72,29 @@ class FrontConfig:
             ipaddress.ip_network("::1/128"),
         ]
     )
-    name_pattern: str = DEFAULT_PATTERN
-    keep_versions: int = 2
-    min_replicas: int | float | None = None
+    name_pattern: str = setting(
+        DEFAULT_PATTERN,
+        flag="--name-pattern",
+        help="Regex with groups name and version: trl-policy-v7 is trl-policy version 7. A name "
+        "it does not match is the next version of that name.",
+    )
+    keep_versions: int = setting(
+        2,
+        flag="--keep-versions",
+        type=click.IntRange(min=1),
+        help="Versions of a name kept routable (the retention window).",
+    )
+    min_replicas: int | float | None = setting(
+        None,
+        flag="--min-replicas",
+        type=MinReplicas(),
+        help="Quorum for each publication: a count or a fraction like 0.75 (docs/quorum.md) "
+        "[default: every replica].",
+    )
     """A quorum for every publication a load makes (docs/quorum.md); None: every replica."""
-    dtype: str | None = None
+    dtype: str | None = setting(
+        None, flag="--dtype", help="dtype /server_info reports (default: the model's)."
+    )
     """What ``/server_info`` reports; None reads the base model's config.json when local."""
     publish_timeout_s: float = 1800.0
     dialect: str = "vllm"

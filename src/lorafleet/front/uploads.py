@@ -24,6 +24,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
+
+from lorafleet._settings import setting
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadLimits, UploadManager
@@ -47,11 +50,26 @@ _ADAPTER = "adapter"
 
 @dataclass
 class UploadDirLimits:
-    max_file_bytes: int = UPLOAD_MAX_BYTES
+    max_file_bytes: int = setting(
+        UPLOAD_MAX_BYTES,
+        flag="--upload-max-file-bytes",
+        type=click.IntRange(min=1),
+        help="Per-file cap of a remote upload (a larger declared size is a 413).",
+    )
     """Per-file cap: a larger declared size is refused (413) before a body byte is read."""
-    quota_bytes: int | None = None
+    quota_bytes: int | None = setting(
+        None,
+        flag="--upload-quota-bytes",
+        type=click.IntRange(min=1),
+        help="All staged uploads together (default: the free disk).",
+    )
     """All staged uploads together (None: the free disk, less the agent's reserve)."""
-    ttl_s: float = 600.0
+    ttl_s: float = setting(
+        600.0,
+        flag="--upload-ttl",
+        type=click.FloatRange(min=0.1),
+        help="Seconds an upload may sit idle (no PUT, no load) before it is reaped.",
+    )
     """An upload idle this long (no PUT, no load) is reaped."""
 
 

@@ -257,3 +257,17 @@ def _min_replicas(text: str | None) -> int | float | None:
         return parse_min_replicas(text)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--min-replicas") from None
+
+
+class MinReplicas(click.ParamType):
+    """``--min-replicas`` as a click type: a count or a fraction (``parse_min_replicas``)."""
+
+    name = "count|fraction"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        if value is None or isinstance(value, (int, float)):
+            return value
+        try:
+            return parse_min_replicas(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
