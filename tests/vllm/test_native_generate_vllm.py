@@ -26,7 +26,7 @@ def _vllm_own(url: str, model: str, top: int, **sp) -> dict:
     lp = c["logprobs"]
 
     def tid(t: str) -> int:
-        return int(t.removeprefix("token_id:"))  # vLLM's format_token_id_placeholder
+        return int(t.removeprefix("token_id:"))
 
     return {
         "text": c["text"],
