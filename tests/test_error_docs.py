@@ -93,10 +93,20 @@ def _documented(schema: dict, path: str, method: str) -> set[int]:
     return {int(s) for s in op["responses"] if s.isdigit() and int(s) >= 400}
 
 
+def _flat(routes):
+    """Every route, also inside included routers (FastAPI 0.165 keeps those as
+    ``_IncludedRouter`` entries instead of copying their routes)."""
+    for route in routes:
+        if hasattr(route, "original_router"):
+            yield from _flat(route.original_router.routes)
+        else:
+            yield route
+
+
 def _gaps(app) -> list[str]:
     schema = app.openapi()
     gaps = []
-    for route in app.routes:
+    for route in _flat(app.routes):
         endpoint = getattr(route, "endpoint", None)
         if endpoint is None or not getattr(route, "include_in_schema", False):
             continue

@@ -8,27 +8,19 @@ The OpenAPI document covers both: FastAPI's routes declare every status they ans
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import aiohttp
 import click
-from fastapi import Depends, FastAPI, Query, Response
-from fastapi import Path as FastAPIPath
-from prometheus_client import generate_latest
+from fastapi import Depends, FastAPI
 
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
-    METRICS_RESPONSES,
     JsonBodyLimit,
-    MetricsResponse,
     describe,
-    errors,
     finish_openapi,
     install_error_handlers,
     service_app,
@@ -36,34 +28,15 @@ from lorafleet._service import (
     token_guard,
 )
 from lorafleet._settings import setting
-from lorafleet.errors import InvalidRequest, NotFound, UnknownReplica, VersionConflict
-from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorResponse
-from lorafleet.protocol.names import AdapterName, LeaseHolder, Version
-from lorafleet.protocol.router import (
-    MAX_REPLICA_ID,
-    AddReplicaRequest,
-    AliasEntry,
-    AliasTable,
-    DrainRequest,
-    DrainResponse,
-    Lease,
-    LeaseRequest,
-    MoveReplicaRequest,
-    ReplicaList,
-    ReplicaStatus,
-    Reservation,
-    ReserveRequest,
-    RouterHealth,
-    SetAliasRequest,
-)
 from lorafleet.protocol.sglang import GenerateRequest
 from lorafleet.router import sglang_api
-from lorafleet.router.balancer import Balancer, Replica
+from lorafleet.router.balancer import Balancer
 from lorafleet.router.catchup import CatchUp
 from lorafleet.router.health import HealthPoller
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.proxy import DATA_PLANE_ERRORS, MAX_BODY, Proxy
+from lorafleet.router.routes import RouteContext, aliases, leases, reads, replicas
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
@@ -238,23 +211,11 @@ class RouterApp:
                 self.metrics.lagging_since.labels(name, rid).set(lag.since_version)
 
 
-def _status(r: Replica) -> ReplicaStatus:
-    return ReplicaStatus(
-        replica_id=r.replica_id or r.agent_url,
-        agent_url=r.agent_url,
-        engine_url=r.engine_url,
-        healthy=r.routable,
-        inflight=r.inflight,
-        detail=r.detail,
-    )
-
-
 def _build_api(router: RouterApp) -> FastAPI:
     cfg = router.config
     app = service_app("lorafleet router", lifespan=router.lifespan)
     install_error_handlers(app)
     app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
-    store, balancer = router.store, router.balancer
 
     ctl = [Depends(token_guard(cfg.control_token))]
     inference = [Depends(token_guard(cfg.api_key, what="API key", scheme="apiKey"))]
@@ -263,308 +224,9 @@ def _build_api(router: RouterApp) -> FastAPI:
     # The data plane's /v1/models and /finish_session: the API key, when one is configured.
     keyed = (401, 403) if cfg.api_key is not None else ()
 
-    @app.get("/health", response_model=RouterHealth)
-    async def health() -> RouterHealth:
-        healthy = sum(1 for r in balancer.replicas if r.routable)
-        return RouterHealth(status="ok", replicas=len(balancer.replicas), healthy=healthy)
-
-    @app.get("/metrics", response_class=MetricsResponse, responses=METRICS_RESPONSES)
-    async def metrics() -> Response:
-        router.export_gauges()
-        return MetricsResponse(generate_latest(router.metrics.registry))
-
-    def known_ids() -> set[str]:
-        return {r.replica_id for r in balancer.replicas if r.replica_id}
-
-    async def check_replicas(ids: list[str]) -> None:
-        """Refuse (409 ``unknown_replica``) an alias naming a replica no agent reports."""
-        unknown = sorted(set(ids) - known_ids())
-        if unknown and router.poller is not None:
-            # An agent that was unreachable at the last poll may answer now.
-            await router.poller.poll_once()
-            unknown = sorted(set(ids) - known_ids())
-        if unknown:
-            shown = ", ".join(repr(u)[:80] for u in unknown[:5])
-            raise UnknownReplica(
-                f"unknown replica id(s) {shown}: the router knows {sorted(known_ids())}",
-                param="replicas",
-            )
-
-    @app.get("/v1/models", dependencies=inference, responses=errors(*keyed))
-    async def models() -> dict:
-        now = int(time.time())
-        data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "lorafleet", "root": m}
-            for m in sorted(balancer.base_models())
-        ]
-        parent = data[0]["id"] if data else None
-        # Aliases by their public names only: engine-side names (policy@v3) stay inside.
-        for name, e in sorted(store.aliases.items()):
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now,
-                    "owned_by": "lorafleet",
-                    "root": name,
-                    "parent": parent,
-                    "version": e.version,
-                    "versions": [v.version for v in e.window()],
-                }
-            )
-        return {"object": "list", "data": data}
-
-    @app.post("/finish_session", dependencies=inference, responses=errors(400, 413, *keyed))
-    async def finish_session(session_id: str) -> dict:
-        """Forget a sticky session (SkyRL calls this when a trajectory ends)."""
-        balancer.forget_session(session_id)
-        return {"ok": True}
-
-    @app.get(
-        "/v1/control/aliases",
-        dependencies=ctl,
-        response_model=AliasTable,
-        responses=errors(400, 401, 403),
-    )
-    async def table(log: bool = True) -> AliasTable:
-        """``log=false``: the aliases alone (the flip log is up to 10,000 events long)."""
-        table = store.table()
-        return table if log else AliasTable(aliases=table.aliases, log=[])
-
-    @app.put(
-        "/v1/control/aliases/{name}",
-        dependencies=ctl,
-        response_model=AliasEntry,
-        responses=errors(*guarded, 409, 413),
-    )
-    async def set_alias(name: AdapterName, req: SetAliasRequest) -> AliasEntry:
-        """The atomic flip. 409: ``version_conflict`` (compare-and-set, not newer),
-        ``publish_in_progress`` (another lease holder), ``unknown_replica``."""
-        await check_replicas(req.replicas)
-        # Lagging replicas are reported by id or, for one never reached, its agent URL.
-        names = {r.agent_url: r.replica_id or r.agent_url for r in balancer.replicas}
-        names.update({i: i for i in known_ids()})
-        lagging = {names[k]: v for k, v in req.lagging.items() if k in names}
-        kw = {}
-        # An explicit null means "no alias yet"; an absent field means "no compare-and-set".
-        if "expected_version" in req.model_fields_set:
-            kw["expected_version"] = req.expected_version
-        entry = store.set_alias(
-            name,
-            req.version,
-            req.engine_name,
-            req.replicas,
-            lease_holder=req.lease_holder,
-            keep_versions=req.keep_versions,
-            max_staleness=req.max_staleness,
-            sessions=req.sessions,
-            digest=req.digest,
-            lagging=lagging,
-            **kw,
-        )
-        router.prune_metrics()
-        return entry
-
-    @app.post(
-        "/v1/control/aliases/{name}/reserve",
-        dependencies=ctl,
-        response_model=Reservation,
-        responses=errors(*guarded, 409, 413),
-    )
-    async def reserve(name: AdapterName, req: ReserveRequest) -> Reservation:
-        """The next version number of ``name`` for the lease's holder: above the active one and
-        every number handed out before (persisted). 409 ``version_conflict`` for a number asked
-        for that is not, ``publish_in_progress`` for another holder's lease."""
-        return Reservation(name=name, version=store.reserve(name, req.holder, req.version))
-
-    @app.delete(
-        "/v1/control/aliases/{name}/reserve/{version}",
-        dependencies=ctl,
-        status_code=204,
-        response_class=Response,
-        responses=errors(*guarded, 409, 413),
-    )
-    async def release_version(name: AdapterName, version: Version, holder: LeaseHolder) -> Response:
-        """Give back the newest number handed out: its attempt reached no engine (idempotent;
-        a number that was flipped to, or is not the newest, stays taken)."""
-        store.release_version(name, holder, version)
-        return Response(status_code=204)
-
-    @app.delete(
-        "/v1/control/aliases/{name}",
-        dependencies=ctl,
-        status_code=204,
-        response_class=Response,
-        responses=errors(*guarded, 404, 409, 413),
-    )
-    async def delete_alias(name: AdapterName, lease_holder: LeaseHolder | None = None) -> Response:
-        store.delete_alias(name, lease_holder)
-        router.prune_metrics()
-        return Response(status_code=204)
-
-    @app.post(
-        "/v1/control/aliases/{name}/drain",
-        dependencies=ctl,
-        response_model=DrainResponse,
-        responses=errors(*guarded, 409, 413),
-    )
-    async def drain(name: AdapterName, req: DrainRequest) -> DrainResponse:
-        active = store.aliases.get(name)
-        if active is not None and req.version in {v.version for v in active.window()}:
-            raise VersionConflict(
-                f"{name!r} v{req.version} is still routable (in the retention window); only a "
-                "version that left it can be drained",
-                param="version",
-            )
-        left = await balancer.wait_drained(name, req.version, req.timeout_s)
-        router.prune_metrics()
-        return DrainResponse(name=name, version=req.version, inflight=left, drained=left == 0)
-
-    @app.post(
-        "/v1/control/leases/{name}",
-        dependencies=ctl,
-        response_model=Lease,
-        responses=errors(*guarded, 409, 413),
-    )
-    async def acquire_lease(name: AdapterName, req: LeaseRequest) -> Lease:
-        """Grant or renew the holder's lease; 409 ``publish_in_progress`` if another holds it."""
-        return store.acquire_lease(name, req.holder, req.ttl_s)
-
-    @app.delete(
-        "/v1/control/leases/{name}/{holder}",
-        dependencies=ctl,
-        status_code=204,
-        response_class=Response,
-        responses=errors(*guarded, 409, 413),
-    )
-    async def release_lease(name: AdapterName, holder: LeaseHolder) -> Response:
-        """The holder releases its lease (idempotent); 409 if another holder has it."""
-        store.release_lease(name, holder)
-        return Response(status_code=204)
-
-    @app.delete(
-        "/v1/control/leases/{name}",
-        dependencies=ctl,
-        status_code=204,
-        response_class=Response,
-        responses=errors(*guarded, 413),
-    )
-    async def break_lease(name: AdapterName) -> Response:
-        """An operator breaks the lease on ``name``, whoever holds it (idempotent).
-
-        For a publisher that died holding it: its lease would block every publication of the
-        name until its TTL. The publisher that held it, if alive, then fails at its flip."""
-        broken = store.break_lease(name)
-        if broken is not None:
-            log.warning("lease on %r held by %r broken by an operator", name, broken.holder)
-        return Response(status_code=204)
-
-    @app.get(
-        "/v1/control/replicas",
-        dependencies=ctl,
-        response_model=ReplicaList,
-        responses=errors(401, 403),
-    )
-    async def replicas() -> ReplicaList:
-        return ReplicaList(replicas=[_status(r) for r in balancer.replicas])
-
-    @app.put(
-        "/v1/control/replicas/{replica_id}",
-        dependencies=ctl,
-        response_model=ReplicaStatus,
-        responses=errors(*guarded, 404, 413),
-    )
-    async def move_replica(
-        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)], req: MoveReplicaRequest
-    ) -> ReplicaStatus:
-        """The replica was re-placed and answers at ``agent_url`` now: polled there, and off
-        every version until a publication lists it again (see ``MoveReplicaRequest``)."""
-        try:
-            url = check_peer_url(req.agent_url)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="agent_url") from None
-        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
-        if not found:
-            raise NotFound(
-                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
-                param="replica_id",
-            )
-        r = found[0]
-        if url == r.agent_url:
-            return _status(r)
-        taken = [o for o in balancer.replicas if o is not r and o.agent_url == url]
-        if taken:
-            raise InvalidRequest(
-                f"{url} is the agent of replica {taken[0].replica_id or url!r}", param="agent_url"
-            )
-        was = r.agent_url
-        r.replica_id = r.replica_id or replica_id
-        names = store.forget_replica(r.replica_id)
-        balancer.move(r, url)
-        balancer.reindex()
-        log.warning(
-            "replica %s re-placed: %s -> %s; taken off %d name(s) until republished",
-            r.replica_id, was, url, len(names),
-        )  # fmt: skip
-        return _status(r)
-
-    @app.post(
-        "/v1/control/replicas",
-        dependencies=ctl,
-        status_code=201,
-        response_model=ReplicaStatus,
-        responses=errors(*guarded, 413),
-    )
-    async def add_replica(req: AddReplicaRequest) -> ReplicaStatus:
-        """A new member: polled from now on, routed nothing until catch-up has fed it each
-        routable version from a peer (verified, loaded, proven). The same URL again changes
-        nothing (a retry is safe)."""
-        try:
-            url = check_peer_url(req.agent_url)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="agent_url") from None
-        same = [r for r in balancer.replicas if r.agent_url == url]
-        if same:
-            return _status(same[0])
-        r = balancer.add(url)
-        if router.poller is not None:
-            await router.poller.poll_once()
-            router.poller.watch(r)
-        log.warning("replica %s added at %s; catch-up feeds it", r.replica_id, url)
-        return _status(r)
-
-    @app.delete(
-        "/v1/control/replicas/{replica_id}",
-        dependencies=ctl,
-        response_model=ReplicaStatus,
-        responses=errors(*guarded, 404, 413),
-    )
-    async def remove_replica(
-        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)],
-        drain_s: Annotated[float, Query(ge=0, le=3600)] = 30.0,
-    ) -> ReplicaStatus:
-        """A member leaves: taken off every version at once (no new request goes there), then
-        drained (its requests in flight finish, up to ``drain_s``), then forgotten. Its answer
-        says how many requests were still in flight when it was forgotten (0: drained)."""
-        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
-        if not found:
-            raise NotFound(
-                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
-                param="replica_id",
-            )
-        r = found[0]
-        store.forget_replica(r.replica_id or r.agent_url, member=False)
-        deadline = time.monotonic() + drain_s
-        while r.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        status = _status(r)
-        if router.poller is not None:
-            await router.poller.unwatch(r)
-        balancer.remove(r)
-        router.prune_metrics()
-        log.warning("replica %s removed (%d in flight)", status.replica_id, status.inflight)
-        return status
-
+    ctx = RouteContext(router, ctl, inference, guarded, keyed)
+    for group in (reads, aliases, leases, replicas):
+        app.include_router(group.routes(ctx))
     app.include_router(sglang_api.routes(router, inference, keyed))
     finish_openapi(app, lambda schema: _document_data_plane(schema, cfg.api_key is not None))
     return app

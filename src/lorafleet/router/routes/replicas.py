@@ -1,0 +1,146 @@
+"""Membership: the replicas the router knows, a re-placed one's new address, joins and leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi import Path as FastAPIPath
+
+from lorafleet._service import errors
+from lorafleet.errors import InvalidRequest, NotFound
+from lorafleet.protocol.agent import check_peer_url
+from lorafleet.protocol.router import (
+    MAX_REPLICA_ID,
+    AddReplicaRequest,
+    MoveReplicaRequest,
+    ReplicaList,
+    ReplicaStatus,
+)
+from lorafleet.router.routes import RouteContext, replica_status
+
+__all__ = ["routes"]
+
+log = logging.getLogger("lorafleet.router")
+
+
+def routes(ctx: RouteContext) -> APIRouter:
+    """This group's routes over ``ctx.router``."""
+    api = APIRouter()
+    router = ctx.router
+    ctl = ctx.ctl
+    guarded = ctx.guarded
+    store = ctx.router.store
+    balancer = ctx.router.balancer
+    known_ids = ctx.known_ids
+
+    @api.get(
+        "/v1/control/replicas",
+        dependencies=ctl,
+        response_model=ReplicaList,
+        responses=errors(401, 403),
+    )
+    async def replicas() -> ReplicaList:
+        return ReplicaList(replicas=[replica_status(r) for r in balancer.replicas])
+
+    @api.put(
+        "/v1/control/replicas/{replica_id}",
+        dependencies=ctl,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 404, 413),
+    )
+    async def move_replica(
+        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)], req: MoveReplicaRequest
+    ) -> ReplicaStatus:
+        """The replica was re-placed and answers at ``agent_url`` now: polled there, and off
+        every version until a publication lists it again (see ``MoveReplicaRequest``)."""
+        try:
+            url = check_peer_url(req.agent_url)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="agent_url") from None
+        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
+        if not found:
+            raise NotFound(
+                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
+                param="replica_id",
+            )
+        r = found[0]
+        if url == r.agent_url:
+            return replica_status(r)
+        taken = [o for o in balancer.replicas if o is not r and o.agent_url == url]
+        if taken:
+            raise InvalidRequest(
+                f"{url} is the agent of replica {taken[0].replica_id or url!r}", param="agent_url"
+            )
+        was = r.agent_url
+        r.replica_id = r.replica_id or replica_id
+        names = store.forget_replica(r.replica_id)
+        balancer.move(r, url)
+        balancer.reindex()
+        log.warning(
+            "replica %s re-placed: %s -> %s; taken off %d name(s) until republished",
+            r.replica_id, was, url, len(names),
+        )  # fmt: skip
+        return replica_status(r)
+
+    @api.post(
+        "/v1/control/replicas",
+        dependencies=ctl,
+        status_code=201,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 413),
+    )
+    async def add_replica(req: AddReplicaRequest) -> ReplicaStatus:
+        """A new member: polled from now on, routed nothing until catch-up has fed it each
+        routable version from a peer (verified, loaded, proven). The same URL again changes
+        nothing (a retry is safe)."""
+        try:
+            url = check_peer_url(req.agent_url)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="agent_url") from None
+        same = [r for r in balancer.replicas if r.agent_url == url]
+        if same:
+            return replica_status(same[0])
+        r = balancer.add(url)
+        if router.poller is not None:
+            await router.poller.poll_once()
+            router.poller.watch(r)
+        log.warning("replica %s added at %s; catch-up feeds it", r.replica_id, url)
+        return replica_status(r)
+
+    @api.delete(
+        "/v1/control/replicas/{replica_id}",
+        dependencies=ctl,
+        response_model=ReplicaStatus,
+        responses=errors(*guarded, 404, 413),
+    )
+    async def remove_replica(
+        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)],
+        drain_s: Annotated[float, Query(ge=0, le=3600)] = 30.0,
+    ) -> ReplicaStatus:
+        """A member leaves: taken off every version at once (no new request goes there), then
+        drained (its requests in flight finish, up to ``drain_s``), then forgotten. Its answer
+        says how many requests were still in flight when it was forgotten (0: drained)."""
+        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
+        if not found:
+            raise NotFound(
+                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
+                param="replica_id",
+            )
+        r = found[0]
+        store.forget_replica(r.replica_id or r.agent_url, member=False)
+        deadline = time.monotonic() + drain_s
+        while r.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        status = replica_status(r)
+        if router.poller is not None:
+            await router.poller.unwatch(r)
+        balancer.remove(r)
+        router.prune_metrics()
+        log.warning("replica %s removed (%d in flight)", status.replica_id, status.inflight)
+        return status
+
+    return api
