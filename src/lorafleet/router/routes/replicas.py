@@ -20,11 +20,20 @@ from lorafleet.protocol.router import (
     ReplicaList,
     ReplicaStatus,
 )
+from lorafleet.router.balancer import Replica
 from lorafleet.router.routes import RouteContext, replica_status
 
 __all__ = ["routes"]
 
 log = logging.getLogger("lorafleet.router")
+
+
+def peer_url(url: str) -> str:
+    """An agent URL the router may call (``check_peer_url``); ``InvalidRequest`` (400) if not."""
+    try:
+        return check_peer_url(url)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="agent_url") from None
 
 
 def routes(ctx: RouteContext) -> APIRouter:
@@ -36,6 +45,16 @@ def routes(ctx: RouteContext) -> APIRouter:
     store = ctx.router.store
     balancer = ctx.router.balancer
     known_ids = ctx.known_ids
+
+    def find(replica_id: str) -> Replica:
+        """The replica by id or agent URL; ``NotFound`` (404) names the ones the router knows."""
+        for r in balancer.replicas:
+            if replica_id in (r.replica_id, r.agent_url):
+                return r
+        raise NotFound(
+            f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
+            param="replica_id",
+        )
 
     @api.get(
         "/v1/control/replicas",
@@ -57,17 +76,8 @@ def routes(ctx: RouteContext) -> APIRouter:
     ) -> ReplicaStatus:
         """The replica was re-placed and answers at ``agent_url`` now: polled there, and off
         every version until a publication lists it again (see ``MoveReplicaRequest``)."""
-        try:
-            url = check_peer_url(req.agent_url)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="agent_url") from None
-        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
-        if not found:
-            raise NotFound(
-                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
-                param="replica_id",
-            )
-        r = found[0]
+        url = peer_url(req.agent_url)
+        r = find(replica_id)
         if url == r.agent_url:
             return replica_status(r)
         taken = [o for o in balancer.replicas if o is not r and o.agent_url == url]
@@ -97,10 +107,7 @@ def routes(ctx: RouteContext) -> APIRouter:
         """A new member: polled from now on, routed nothing until catch-up has fed it each
         routable version from a peer (verified, loaded, proven). The same URL again changes
         nothing (a retry is safe)."""
-        try:
-            url = check_peer_url(req.agent_url)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="agent_url") from None
+        url = peer_url(req.agent_url)
         same = [r for r in balancer.replicas if r.agent_url == url]
         if same:
             return replica_status(same[0])
@@ -124,13 +131,7 @@ def routes(ctx: RouteContext) -> APIRouter:
         """A member leaves: taken off every version at once (no new request goes there), then
         drained (its requests in flight finish, up to ``drain_s``), then forgotten. Its answer
         says how many requests were still in flight when it was forgotten (0: drained)."""
-        found = [r for r in balancer.replicas if replica_id in (r.replica_id, r.agent_url)]
-        if not found:
-            raise NotFound(
-                f"no replica {replica_id[:80]!r}: the router knows {sorted(known_ids())}",
-                param="replica_id",
-            )
-        r = found[0]
+        r = find(replica_id)
         store.forget_replica(r.replica_id or r.agent_url, member=False)
         deadline = time.monotonic() + drain_s
         while r.inflight and time.monotonic() < deadline:
