@@ -8,9 +8,11 @@ which would send it, is not in any SkyRL release: 0.4.0 has no remote upload).
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,10 +281,39 @@ def test_remote_upload_conformance(skyrl_front, tiny_model, tmp_path):
     r = _load(front, {"lora_name": "skyrl-up", "upload_id": uid})
     assert r.status_code == 400 and "LoRA upload is incomplete." in r.text
 
-    # A second full upload is the next version; a path outside --shared-dir is refused.
+    # A second full upload, its two files sent at once, is the next version; a second PUT of
+    # a file being received is refused alone; a path outside --shared-dir is refused.
     uid = str(uuid.uuid4())
     again = make_peft_adapter(tiny_model, tmp_path / "again", seed=12)
-    _upload(front, again, uid)
+    names = ("adapter_config.json", "adapter_model.safetensors")
+    with ThreadPoolExecutor(2) as pool:
+        sent = list(pool.map(lambda n: _put(front.url, uid, n, (again / n).read_bytes()), names))
+    assert [r.status_code for r in sent] == [200, 200], [r.text for r in sent]
+    # A second PUT of a file still being received is refused alone; the first one completes.
+    uid2, gate = str(uuid.uuid4()), threading.Event()
+
+    def held() -> Iterator[bytes]:
+        yield weights[:100]
+        gate.wait(30)
+        yield weights[100:]
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(
+            httpx.put,
+            f"{front.url}/skyrl/v1/lora-adapters/{uid2}/adapter_model.safetensors",
+            content=held(),
+            headers={"X-SkyRL-SHA256": sha, "X-SkyRL-File-Size": str(len(weights))},
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not any(uid2 in str(p) for p in _staged(front)):
+            assert time.monotonic() < deadline, "the first PUT never started"
+            time.sleep(0.05)
+        r = _put(front.url, uid2, "adapter_model.safetensors", weights)
+        assert r.status_code == 400 and "being received already" in r.text, r.text
+        gate.set()
+        assert first.result().status_code == 200, first.result().text
+    assert httpx.delete(f"{front.url}/skyrl/v1/lora-adapters/{uid2}").status_code == 200
     r = _load(front, {"lora_name": "skyrl-up", "upload_id": uid})
     assert r.status_code == 200 and r.json()["lora_int_id"] == 2, r.text
     r = _generate(front, ids, "skyrl-up")

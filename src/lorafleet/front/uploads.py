@@ -80,6 +80,8 @@ class _Upload:
     manager: UploadManager
     files: dict[str, FileEntry] = field(default_factory=dict)
     busy: int = 0
+    """PUTs and loads using it now: never reaped meanwhile."""
+    receiving: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
 
 
@@ -103,7 +105,8 @@ class SkyRLUploads:
         """Receive one file. Every refusal discards the whole upload (nothing stays behind).
 
         Raises ``InvalidRequest`` (400: an unknown file name, more bytes than declared, a size
-        or checksum mismatch, a PUT of a file already being received), ``FileTooLarge`` (413:
+        or checksum mismatch; a second PUT of a file being received is refused alone),
+        ``FileTooLarge`` (413:
         the declared size is negative or over the cap) or ``QuotaExceeded`` (413: staged
         uploads would pass the quota).
         """
@@ -133,19 +136,20 @@ class SkyRLUploads:
             up = self.uploads[upload_id] = _Upload(
                 upload_id, store, UploadManager(store, limits, self.metrics)
             )
-        if up.busy:
-            self.discard(upload_id)
-            raise InvalidRequest(
-                "another file of this LoRA upload is being received; send them one by one"
-            )
+        if filename in up.receiving:
+            # Refused alone: the PUT already receiving this file goes on (nothing of this one
+            # was staged).
+            raise InvalidRequest(f"{filename!r} of this LoRA upload is being received already")
         up.busy += 1
+        up.receiving.add(filename)
         up.last_active = time.monotonic()
         entry = FileEntry(path=filename, size=size, sha256=sha256)
         try:
             # One single-file session per PUT: the agent's path checks the declared size while
             # it streams, then the size and the digest of what arrived.
+            # Files of one upload may arrive at once: each has a session name of its own.
             manifest = Manifest(
-                name=f"skyrl-{upload_id.replace('-', '')}",
+                name=f"skyrl-{upload_id.replace('-', '')}-{UPLOAD_FILENAMES.index(filename)}",
                 version=1,
                 config={},
                 files=(entry,),
@@ -165,6 +169,7 @@ class SkyRLUploads:
             up.store.assemble(_ADAPTER, 1, {p: e.sha256 for p, e in up.files.items()})
         except BaseException as exc:
             up.busy -= 1
+            up.receiving.discard(filename)
             self.discard(upload_id)
             if isinstance(exc, ServiceError) and exc.status in (413, 422, 409):
                 # SkyRL's statuses: 400 for every byte-level refusal (the code stays precise).
@@ -176,6 +181,7 @@ class SkyRLUploads:
                 ) from exc
             raise
         up.busy -= 1
+        up.receiving.discard(filename)
         up.last_active = time.monotonic()
         return UploadedFile(filename=filename, sha256=sha256)
 
@@ -189,7 +195,7 @@ class SkyRLUploads:
         """
         up = self.uploads.get(upload_id)
         weights = [f for f in WEIGHT_FILENAMES if up is not None and f in up.files]
-        if up is None or CONFIG_FILENAME not in up.files or len(weights) != 1 or up.busy:
+        if up is None or CONFIG_FILENAME not in up.files or len(weights) != 1 or up.receiving:
             raise InvalidRequest("LoRA upload is incomplete.", param="upload_id")
         up.busy += 1
         try:
