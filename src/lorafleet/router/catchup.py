@@ -186,7 +186,10 @@ class CatchUp:
                 self._retry.pop((rid, name), None)
                 self.metrics.catch_ups.labels("ok").inc()
                 changed = True
-                records = await self.client(r.agent_url).list_adapters()
+                try:
+                    records = await self.client(r.agent_url).list_adapters()
+                except LorafleetError:
+                    return
             if changed and self.on_change is not None:
                 self.on_change()
             if changed:
