@@ -160,6 +160,11 @@ def test_a_stopped_agent_lags_then_catches_up_from_a_peer(fleet, adapters):
         assert res.lagging[stopped.replica_id].since_version == 2
         assert _holders(fleet, name, 2) == others
         assert set(_table(fleet)[name]["lagging"]) == {stopped.replica_id}
+        metrics = httpx.get(fleet.router.url + "/metrics", timeout=10).text
+        assert (
+            f'lorafleet_router_replica_lagging_since_version{{adapter="{name}",'
+            f'replica="{stopped.replica_id}"}} 2.0'
+        ) in metrics
         # every answer: v1 (before the flip) or v2 from a holder; none at all from the stopped
         # replica once the flip was made, and none of v1 for a request asked after it
         assert load.answers

@@ -17,8 +17,9 @@ rotation: it lists what the agent holds and compares it with the table.
 A name whose publish lease is held is left alone: a publication is under way and owns its
 replicas until its flip. A failed catch-up is recorded on the name's lagging state and tried again
 after a backoff (1 s doubling to 30 s). Versions are caught up oldest first (an agent refuses a
-version older than one it has loaded), and only under immutable engine names (``name@vN``): an
-in-place name is not the router's to restore.
+version older than one it has loaded), and only for versions whose flip named their digest (every
+Publisher's does) under immutable engine names (``name@vN``): an in-place name is not the
+router's to restore.
 """
 
 from __future__ import annotations
@@ -159,8 +160,10 @@ class CatchUp:
                 continue  # a publication holds the name, or flipped it since the listing
             changed = False
             for ref in sorted(entry.window(), key=lambda v: v.version):
-                if ref.engine_name != engine_name(name, ref.version):
-                    continue  # in place: the plain name is not restored by the router
+                if ref.engine_name != engine_name(name, ref.version) or ref.digest is None:
+                    # In place, the plain name is not the router's to restore; and a version
+                    # flipped without a digest (by hand, not by a Publisher) names no bytes.
+                    continue
                 mine = holds(records, name, ref)
                 if rid in ref.replicas:
                     if mine is None:
@@ -183,7 +186,10 @@ class CatchUp:
                 self._retry.pop((rid, name), None)
                 self.metrics.catch_ups.labels("ok").inc()
                 changed = True
-                records = await self.client(r.agent_url).list_adapters()
+                try:
+                    records = await self.client(r.agent_url).list_adapters()
+                except LorafleetError:
+                    return
             if changed and self.on_change is not None:
                 self.on_change()
             if changed:
