@@ -15,19 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import click
-from fastapi import Depends, FastAPI, Header, Request, Response, Security
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.security import HTTPBearer
-from prometheus_client import generate_latest
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
-    METRICS_RESPONSES,
     JsonBodyLimit,
-    MetricsResponse,
     check_token,
-    errors,
     finish_openapi,
     install_error_handlers,
     service_app,
@@ -40,35 +35,15 @@ from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.probe import ApplicationProbe
 from lorafleet.agent.reconcile import Reconciler
-from lorafleet.agent.relay import send_file
+from lorafleet.agent.routes import AgentRoutes, adapters, reads, uploads
 from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadManager
 from lorafleet.engine_kinds import EngineKind
 from lorafleet.protocol.agent import (
-    CONTENT_DIGEST_HEADER,
-    REPR_DIGEST_HEADER,
-    UPLOAD_OFFSET_HEADER,
-    ActivateRequest,
-    AdapterList,
-    AdapterRecord,
-    AgentInfo,
     EngineCapabilities,
-    FileProgress,
-    ForwardPlan,
     Health,
-    LoadRequest,
-    Manifest,
-    OpenUploadRequest,
-    RegisterPathRequest,
-    SendRequest,
-    SendResult,
-    UnloadRequest,
-    UploadSession,
-    UploadStatus,
-    VerifyRequest,
 )
-from lorafleet.protocol.names import AdapterName, Version
 
 __all__ = ["AgentConfig", "create_app"]
 
@@ -256,211 +231,9 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     # Every guarded route: a bad parameter or body (400), no or a wrong token (401, 403).
     ctl = (400, 401, 403)
 
-    # --- uploads ---------------------------------------------------------------------------
-
-    @app.post(
-        "/v1/uploads",
-        status_code=201,
-        dependencies=guard,
-        responses=errors(*ctl, 409, 413, 503, 507),
-    )
-    async def open_upload(req: OpenUploadRequest) -> UploadSession:
-        """Open an upload; refuses over-cap files, quota, bad paths and stale versions at once.
-        With ``relay``, peers presenting the publication's credential may PUT its files."""
-        return await rt.service.open_upload(req.manifest, supersede=req.supersede, relay=req.relay)
-
-    @app.post("/v1/uploads/{upload_id}/forward", dependencies=guard, responses=errors(*ctl, 404))
-    async def forward(upload_id: str, plan: ForwardPlan) -> UploadStatus:
-        """Relay: forward these files to these peers' sessions while they stream in (each file
-        from its first byte, once). Refuses a path this session is not about to receive."""
-        return rt.uploads.set_forward(upload_id, plan)
-
-    @app.get("/v1/uploads/{upload_id}", dependencies=guard, responses=errors(*ctl, 404))
-    async def upload_status(upload_id: str) -> UploadStatus:
-        return rt.uploads.status(upload_id)
-
-    @app.head(
-        "/v1/uploads/{upload_id}/files/{path:path}",
-        response_class=Response,
-        responses={
-            200: {
-                "description": "The durable offset, in the Upload-Offset header (no body)",
-                "headers": {
-                    UPLOAD_OFFSET_HEADER: {"required": True, "schema": {"type": "integer"}}
-                },
-            },
-            **errors(*ctl, 404),
-        },
-    )
-    async def upload_offset(
-        upload_id: str, path: str, _peer: bool = Depends(upload_access)
-    ) -> Response:
-        """The durable offset of one file, in the Upload-Offset header."""
-        off = rt.uploads.offset(upload_id, path)
-        return Response(status_code=200, headers={UPLOAD_OFFSET_HEADER: str(off)})
-
-    @app.put(
-        "/v1/uploads/{upload_id}/files/{path:path}",
-        responses=errors(*ctl, 404, 408, 409, 413, 422, 507),
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "description": "Raw file bytes, starting at Upload-Offset.",
-                "content": {
-                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-                },
-            }
-        },
-    )
-    async def upload_file(
-        request: Request,
-        upload_id: str,
-        path: str,
-        upload_offset: int | None = Header(
-            None, alias=UPLOAD_OFFSET_HEADER, ge=0, description="Resume from this byte offset."
-        ),
-        repr_digest: str | None = Header(
-            None, alias=REPR_DIGEST_HEADER, description="RFC 9530: sha-256 of the whole file."
-        ),
-        content_digest: str | None = Header(
-            None, alias=CONTENT_DIGEST_HEADER, description="RFC 9530: sha-256 of this body."
-        ),
-        peer: bool = Depends(upload_access),
-    ) -> FileProgress:
-        """Stream one file's bytes; verified against the manifest's size and sha256."""
-        # The transport's own header (HTTP framing has already checked it), not a parameter.
-        declared = request.headers.get("content-length")
-        content_length = int(declared) if declared and declared.isdigit() else None
-        return await rt.uploads.put(
-            upload_id,
-            path,
-            request.stream(),
-            offset=upload_offset,
-            content_length=content_length,
-            repr_digest=repr_digest,
-            content_digest=content_digest,
-            peer=peer,
-        )
-
-    @app.post(
-        "/v1/uploads/{upload_id}/commit",
-        dependencies=guard,
-        responses=errors(*ctl, 404, 409, 413, 422, 503, 507),
-    )
-    async def commit(upload_id: str) -> AdapterRecord:
-        return await rt.service.commit(upload_id)
-
-    @app.delete(
-        "/v1/uploads/{upload_id}",
-        status_code=204,
-        dependencies=guard,
-        response_class=Response,
-        responses=errors(*ctl, 404, 413),
-    )
-    async def discard(upload_id: str) -> Response:
-        rt.uploads.get(upload_id)
-        await rt.uploads.aclose(upload_id, keep_blobs=False)
-        return Response(status_code=204)
-
-    # --- adapters --------------------------------------------------------------------------
-
-    @app.post(
-        "/v1/adapters/register",
-        dependencies=guard,
-        responses=errors(*ctl, 409, 413, 422, 503, 507),
-    )
-    async def register(req: RegisterPathRequest) -> AdapterRecord:
-        return await rt.service.register(req.manifest, req.path, supersede=req.supersede)
-
-    @app.post(
-        "/v1/adapters/load",
-        dependencies=guard,
-        responses=errors(*ctl, 404, 409, 413, 422, 502, 503, 507),
-    )
-    async def load(req: LoadRequest) -> AdapterRecord:
-        return await rt.service.load(req.name, req.version, req.mode)
-
-    @app.post(
-        "/v1/adapters/verify",
-        dependencies=guard,
-        responses=errors(*ctl, 404, 409, 413, 502, 503),
-    )
-    async def verify(req: VerifyRequest) -> AdapterRecord:
-        """Check that the engine applies the loaded version, addressed as the router will; 502
-        ``adapter_not_applied`` if it answers as the base model."""
-        return await rt.service.verify(req.name, req.version)
-
-    @app.post(
-        "/v1/adapters/activate", dependencies=guard, responses=errors(*ctl, 404, 409, 413, 503)
-    )
-    async def activate(req: ActivateRequest) -> AdapterRecord:
-        return await rt.service.activate(req.name, req.version)
-
-    @app.post("/v1/adapters/unload", dependencies=guard, responses=errors(*ctl, 404, 409, 413, 503))
-    async def unload(req: UnloadRequest) -> AdapterRecord:
-        """Gone from engine and store. 503 ``engine_unavailable`` when the engine does not
-        answer: the record is then ``retiring`` and the agent finishes once it answers."""
-        return await rt.service.unload(req.name, req.version)
-
-    @app.get(
-        "/v1/adapters/{name}/{version}/manifest",
-        dependencies=guard,
-        responses=errors(*ctl, 404),
-    )
-    async def adapter_manifest(name: AdapterName, version: Version) -> Manifest:
-        """The manifest of a version loaded here: what a lagging peer opens its session with."""
-        return rt.service.stored(name, version)[0]
-
-    @app.post("/v1/adapters/send", dependencies=guard, responses=errors(*ctl, 404, 413))
-    async def send(req: SendRequest) -> SendResult:
-        """Catch-up: PUT a loaded version's files (verified when they came in) into a peer's
-        session, presenting ``credential``; the peer verifies each as any upload."""
-        manifest, root = rt.service.stored(req.name, req.version)
-        wanted = set(req.paths) if req.paths is not None else None
-        hops, sent = [], 0
-        for entry in manifest.files:
-            if wanted is not None and entry.path not in wanted:
-                continue
-            hop, n = await send_file(
-                rt.uploads.relay_http(),
-                req.target,
-                entry,
-                str(root / entry.path),
-                req.credential,
-                req.stall_s,
-            )
-            hops.append(hop)
-            sent += n
-            if not hop.ok:
-                break
-        return SendResult(hops=hops, bytes_sent=sent)
-
-    @app.get("/v1/adapters")
-    async def list_adapters() -> AdapterList:
-        return AdapterList(adapters=rt.service.list())
-
-    # --- open endpoints --------------------------------------------------------------------
-
-    @app.get("/v1/info")
-    async def info() -> AgentInfo:
-        return AgentInfo(
-            replica_id=cfg.replica_id,
-            engine_url=cfg.engine_url,
-            base_model=rt.base_model,
-            capabilities=rt.caps,
-            ready=rt.health().status == "ok",
-        )
-
-    @app.get("/health", responses={503: {"model": Health, "description": "Not ready"}})
-    async def health() -> JSONResponse:
-        h = rt.health()
-        return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
-
-    @app.get("/metrics", response_class=MetricsResponse, responses=METRICS_RESPONSES)
-    async def metrics() -> Response:
-        with contextlib.suppress(OSError):
-            rt.metrics.store_bytes.set(await asyncio.to_thread(rt.store.usage))
-        return MetricsResponse(generate_latest(rt.metrics.registry))
+    ctx = AgentRoutes(rt, guard, ctl, upload_access)
+    for group in (uploads, adapters, reads):
+        app.include_router(group.routes(ctx))
 
     finish_openapi(app)
     return app

@@ -8,10 +8,7 @@ from fastapi import APIRouter, Response
 
 from lorafleet._service import errors
 from lorafleet.protocol.names import AdapterName, LeaseHolder
-from lorafleet.protocol.router import (
-    Lease,
-    LeaseRequest,
-)
+from lorafleet.protocol.router import Lease, LeaseRequest
 from lorafleet.router.routes import RouteContext
 
 __all__ = ["routes"]

@@ -8,9 +8,7 @@ from fastapi import APIRouter, Response
 from prometheus_client import generate_latest
 
 from lorafleet._service import METRICS_RESPONSES, MetricsResponse, errors
-from lorafleet.protocol.router import (
-    RouterHealth,
-)
+from lorafleet.protocol.router import RouterHealth
 from lorafleet.router.routes import RouteContext
 
 __all__ = ["routes"]
