@@ -48,7 +48,11 @@ def _holders(router, token: str, name: str, version: int) -> set[str]:
 def _lag_then_catch_up(launcher, tiny_model, tmp_path, real, kind, dialect, name):
     token = secrets.token_urlsafe(12)
     ref_engine = start_reference_engine(launcher, tiny_model, max_lora_rank=16, dialect=dialect)
-    ref = start_agent(launcher, ref_engine, tmp_path / "ref", token=token, replica_id="ref")
+    # The reference engine in SGLang's dialect is driven as SGLang is.
+    ref_kind = "sglang" if dialect == "sglang" else "reference"
+    ref = start_agent(
+        launcher, ref_engine, tmp_path / "ref", kind=ref_kind, token=token, replica_id="ref"
+    )
     agent = start_agent(
         launcher, real, tmp_path / "real", kind=kind, token=token, replica_id="real",
         max_lora_rank=16,
