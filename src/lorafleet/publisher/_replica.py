@@ -73,10 +73,8 @@ class ReplicaTxn:
         self.rollback_pending = False
         """A rollback ran and could not undo everything here (``timing.rollback`` says what)."""
         self.load_attempted = False
-        """A load of this publication's bytes was asked of the agent (it may reach the engine)."""
-        self.unreached = False
-        """The rollback could not reach the agent: what it holds of this publication is unknown
-        here (the version number is then burnt, never handed out again)."""
+        """A load of this publication's bytes was asked of the agent (it may reach the engine;
+        the version number is then burnt, never handed out again)."""
 
     @property
     def id(self) -> str:
@@ -194,7 +192,6 @@ class ReplicaTxn:
         try:
             held = await client.list_adapters()
         except LorafleetError as exc:
-            self.unreached = True
             problems.append(
                 f"the agent could not be reached ({reason(exc)}): it may still hold "
                 f"v{plan.version}, which the next publication of {plan.name!r} supersedes"

@@ -442,7 +442,6 @@ class Publication:
             try:
                 return await asyncio.wait_for(r.roll_back(), bound)
             except TimeoutError:
-                r.unreached = True
                 return f"its rollback did not finish within {bound:g}s"
 
         problems = await asyncio.gather(*(one(r) for r in replicas))
@@ -466,15 +465,13 @@ class Publication:
         """Whether this failed attempt's version number stays taken (never handed out again).
 
         Burnt: the flip was asked for and not known to be refused (the router may have served
-        v), or a replica that was asked to load v could not be reached by the rollback (what it
-        holds of v is unknown here). Given back: everything else, i.e. v was never routable and
-        every agent that may hold its bytes said what it holds. An agent that could not unload
-        v (its engine down) keeps it ``retiring`` and removes it before anything else is loaded
-        under that engine name; the router lists a replica for a version only with the digest
-        it verified (docs/quorum.md)."""
+        v), or any replica was asked to load v (its bytes may have reached an engine under
+        ``name@vN``: the next adapter must not be loaded under the same engine name, nor show as
+        "vN" in the trainer's log). Given back: the attempt failed before any load, so nothing
+        of v ever reached an engine or the router's table (docs/quorum.md)."""
         if self.flip_attempted and not self.flip_not_applied:
             return True
-        return any(r.load_attempted and r.unreached for r in self.replicas)
+        return any(r.load_attempted for r in self.replicas)
 
     def failure_message(self) -> str:
         """What failed where, and what keeps serving: the head of a ``PublishError``."""
