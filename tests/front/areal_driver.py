@@ -24,6 +24,8 @@ import threading
 import time
 from datetime import datetime
 
+import requests
+
 
 def main() -> None:
     args = json.loads(sys.argv[1])
@@ -111,7 +113,14 @@ def main() -> None:
 
             worker = threading.Thread(target=rollout)
             worker.start()
-            time.sleep(args.get("abort_after_s", 0.5))
+            # The update starts once the rollout is in flight at the router (not after a fixed
+            # sleep, which a quiet machine outruns and a busy one undershoots).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if requests.get(args["inflight_url"], timeout=10).json()["num_reqs"] > 0:
+                    break
+                time.sleep(0.01)
+            time.sleep(args.get("abort_after_s", 0.05))
             update(version, adapters[version])
             worker.join(timeout=300)
             results["aborted_rollout"] = box

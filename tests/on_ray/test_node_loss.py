@@ -112,13 +112,17 @@ def test_node_lost_mid_publication_replica_replaced_and_republished(
         # The next publication reaches the re-placed replica (the publisher reads the record).
         with fleet.publisher() as pub:
             res = pub.publish(str(fresh), name="policy")
-        assert res.version == v1 + 1
+        # The failed attempt's number is burnt if its bytes reached the kept replica's engine
+        # before the node was lost (issue 26: a number never names two adapters), and given back
+        # if the attempt ended before any load.
+        v2 = res.version
+        assert v2 in (v1 + 1, v1 + 2), v2
         assert set(res.replicas) == {"replica-0", "replica-1"}
         expected_v2 = merged_greedy_ids(tiny_model, fresh, PROMPT, 8)
         for _ in range(6):
-            assert _routed(fleet, "policy") == (expected_v2, v1 + 1)
+            assert _routed(fleet, "policy") == (expected_v2, v2)
         for url in fleet.agent_urls:
-            assert _agent_versions(url, fleet.token, "policy") == {v1 + 1}
+            assert _agent_versions(url, fleet.token, "policy") == {v2}
         status = fleet.status()
         assert status.router_healthy and all(r.healthy for r in status.replicas)
     finally:

@@ -240,8 +240,14 @@ def test_workers_and_abort_end_translated_requests_with_partial_output(routed, f
     threads = [threading.Thread(target=run, args=(k, f"long-{k}")) for k in ("a", "b")]
     for t in threads:
         t.start()
-    time.sleep(1.5)
-    loads = [httpx.get(u + "/v1/loads", timeout=10).json()["num_reqs"] for u in urls]
+    # Both in flight before the aborts (polled: a quiet machine finishes 400 tokens in ~1 s).
+    deadline = time.monotonic() + 30
+    loads: list[int] = []
+    while time.monotonic() < deadline:
+        loads = [httpx.get(u + "/v1/loads", timeout=10).json()["num_reqs"] for u in urls]
+        if sum(loads) == 2:
+            break
+        time.sleep(0.01)
     assert sum(loads) == 2, loads
     # One by rid at the router, the other by abort_all on each worker, as Miles does.
     assert (

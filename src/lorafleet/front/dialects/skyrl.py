@@ -28,7 +28,7 @@ from lorafleet.errors import Forbidden, InvalidRequest
 from lorafleet.front.dialects._openapi import route_doc
 from lorafleet.front.forward import forward_generation, read_object
 from lorafleet.front.service import Front
-from lorafleet.protocol.front import UnloadLoRAAdapterRequest
+from lorafleet.protocol.front import FrontUnloadRequest
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
 from lorafleet.protocol.skyrl import (
     UPLOAD_SHA256_HEADER,
@@ -157,7 +157,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         return {"status": "ok"}
 
     async def unload(request: Request) -> Response:
-        req: UnloadLoRAAdapterRequest = _model(UnloadLoRAAdapterRequest, await read_object(request))
+        req: FrontUnloadRequest = _model(FrontUnloadRequest, await read_object(request))
         done = await front.retire_name(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
 
@@ -165,7 +165,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         r.post(
             path,
             dependencies=ctl,
-            **route_doc(UnloadLoRAAdapterRequest, *_CONTROL, 404, 409, 503, text_ok=True),
+            **route_doc(FrontUnloadRequest, *_CONTROL, 404, 409, 503, text_ok=True),
         )(unload)
 
     @r.post("/reset_prefix_cache", dependencies=ctl, **route_doc(None, *_CONTROL, 503))
