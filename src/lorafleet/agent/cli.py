@@ -14,7 +14,7 @@ import click
 from lorafleet._settings import click_options, from_options
 from lorafleet.agent.limits import UploadLimits
 from lorafleet.engine_kinds import ENGINE_KINDS, all_options, engine_kind
-from lorafleet.launch.listen import fd_option
+from lorafleet.launch.listen import control_token_option, listen_options
 
 
 def engine_options(f):
@@ -53,15 +53,8 @@ def _agent_config_options(f):
     type=click.Path(file_okay=False),
     help="Adapter store; one agent per directory.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8100, show_default=True, type=int)
-@fd_option
-@click.option(
-    "--control-token",
-    envvar="LORAFLEET_CONTROL_TOKEN",
-    default=None,
-    help="Bearer token for mutating routes (generated and printed if absent).",
-)
+@listen_options(8100)
+@control_token_option("Bearer token for mutating routes (generated and printed if absent).")
 @click.option("--replica-id", default=None, help="Default: host:port (of the --fd socket).")
 @_agent_config_options
 @click_options(UploadLimits)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from lorafleet.launch.listen import fd_option
+from lorafleet.launch.listen import api_key_option, listen_options
 
 __all__ = ["command"]
 
@@ -35,9 +35,7 @@ def _threads() -> int:
     help="Directory of a transformers causal LM (with tokenizer).",
 )
 @click.option("--served-model-name", default=None, help="Model id clients use (default: dir name).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
-@fd_option
+@listen_options(8000)
 @click.option("--max-loras", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-model-len", default=None, type=click.IntRange(min=1))
@@ -48,11 +46,8 @@ def _threads() -> int:
     type=click.IntRange(min=-1),
     help="Most logprobs per token a request may ask, as vLLM's (-1: the vocabulary).",
 )
-@click.option(
-    "--api-key",
-    default=None,
-    envvar="LORAFLEET_ENGINE_API_KEY",
-    help="Bearer token required on /v1/* and SGLang routes.",
+@api_key_option(
+    "Bearer token required on /v1/* and SGLang routes.", envvar="LORAFLEET_ENGINE_API_KEY"
 )
 @click.option(
     "--dialect",

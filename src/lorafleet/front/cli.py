@@ -7,7 +7,7 @@ import os
 import click
 
 from lorafleet._settings import click_options, from_options
-from lorafleet.launch.listen import fd_option
+from lorafleet.launch.listen import api_key_option, control_token_option, listen_options
 
 __all__ = ["command"]
 
@@ -48,21 +48,11 @@ def _dialect_names() -> list[str]:
     help="A directory trainers load adapters from (repeatable); every other lora_path is "
     "refused. The first also holds the hand-over to the agents, who must allow it.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
-@fd_option
-@click.option(
-    "--control-token",
-    envvar="LORAFLEET_CONTROL_TOKEN",
-    default=None,
-    help="The fleet's control token: the agents' and the router's (env LORAFLEET_CONTROL_TOKEN).",
+@listen_options(8000)
+@control_token_option(
+    "The fleet's control token: the agents' and the router's (env LORAFLEET_CONTROL_TOKEN)."
 )
-@click.option(
-    "--api-key",
-    envvar="LORAFLEET_API_KEY",
-    default=None,
-    help="The router's inference key, sent on forwarded generation (env LORAFLEET_API_KEY).",
-)
+@api_key_option("The router's inference key, sent on forwarded generation (env LORAFLEET_API_KEY).")
 @click.option(
     "--trainer-token",
     envvar="LORAFLEET_FRONT_TOKEN",

@@ -16,9 +16,12 @@ from typing import Any
 import click
 
 __all__ = [
+    "api_key_option",
     "bind_listener",
+    "control_token_option",
     "fd_option",
     "listen_address",
+    "listen_options",
     "reserve_port",
     "serve",
     "url_host",
@@ -34,6 +37,29 @@ fd_option = click.option(
     help="Serve on this inherited listening socket; --host/--port are then ignored "
     "(the launcher binds the socket and passes it).",
 )
+
+
+def listen_options(port: int):
+    """``--host`` (127.0.0.1), ``--port`` (``port``) and ``--fd``: where a server listens."""
+
+    def decorate(f):
+        f = fd_option(f)
+        f = click.option("--port", default=port, show_default=True, type=int)(f)
+        return click.option("--host", default="127.0.0.1", show_default=True)(f)
+
+    return decorate
+
+
+def control_token_option(help: str):
+    """``--control-token`` (env ``LORAFLEET_CONTROL_TOKEN``): the fleet's control token."""
+    return click.option(
+        "--control-token", envvar="LORAFLEET_CONTROL_TOKEN", default=None, help=help
+    )
+
+
+def api_key_option(help: str, envvar: str = "LORAFLEET_API_KEY"):
+    """``--api-key``: an inference key (never the control token)."""
+    return click.option("--api-key", envvar=envvar, default=None, help=help)
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -7,7 +7,7 @@ import os
 import click
 
 from lorafleet._settings import click_options, from_options
-from lorafleet.launch.listen import fd_option
+from lorafleet.launch.listen import api_key_option, control_token_option, listen_options
 
 __all__ = ["command"]
 
@@ -20,21 +20,9 @@ def _router_config_options(f):
 
 @click.command("router")
 @click.option("--agents", required=True, help="Comma-separated agent URLs, one per replica.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8200, show_default=True, type=int)
-@fd_option
-@click.option(
-    "--control-token",
-    envvar="LORAFLEET_CONTROL_TOKEN",
-    default=None,
-    help="Bearer token for /v1/control/* (env LORAFLEET_CONTROL_TOKEN).",
-)
-@click.option(
-    "--api-key",
-    envvar="LORAFLEET_API_KEY",
-    default=None,
-    help="Inference key for the data plane (env LORAFLEET_API_KEY); optional.",
-)
+@listen_options(8200)
+@control_token_option("Bearer token for /v1/control/* (env LORAFLEET_CONTROL_TOKEN).")
+@api_key_option("Inference key for the data plane (env LORAFLEET_API_KEY); optional.")
 @click.option("--agent-token", default=None, help="Token to call agents (default: control token).")
 @click.option(
     "--state-dir",
