@@ -168,12 +168,15 @@ def test_agent_actor_killed_mid_publication_rolls_back(fleet, adapters, tiny_mod
     assert _agent_versions(fleet, 1, "kill") == {v1}
     with fleet.publisher() as pub:
         res = pub.publish(str(fresh), name="kill")
-    assert res.version == v1 + 1
+    # The failed attempt's number is burnt if its bytes reached the other replica's engine
+    # before the kill (issue 26: a number never names two adapters), given back otherwise.
+    v2 = res.version
+    assert v2 in (v1 + 1, v1 + 2), v2
     expected_v2 = merged_greedy_ids(tiny_model, fresh, PROMPT, 8)
     for _ in range(4):
-        assert _routed(fleet, "kill") == (expected_v2, v1 + 1)
+        assert _routed(fleet, "kill") == (expected_v2, v2)
     for i in range(2):
-        assert _agent_versions(fleet, i, "kill") == {v1 + 1}
+        assert _agent_versions(fleet, i, "kill") == {v2}
 
 
 def _alive(pid: int) -> bool:
