@@ -400,6 +400,7 @@ def test_cancelled_publication_rolls_back(launcher, make_fleet, tiny_model, tmp_
     for i in range(2):
         assert {a["version"] for a in fleet.adapters(i)} == {1}
     assert fleet.staging_bytes() == [0, 0]
-    # the lease was released: the next publication goes through
+    # the lease was released: the next publication goes through (as v3 if a replica had been
+    # asked to load the cancelled v2 before the cancel: issue 26 burns that number)
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
-        assert pub.publish(str(small), name="policy").version == 2
+        assert pub.publish(str(small), name="policy").version in (2, 3)
