@@ -126,6 +126,28 @@ def test_base_model_unknown_and_no_replica(router, fleet):
     assert complete(router, "ghost").status_code == 404
 
 
+def test_a_replica_whose_engine_lacks_the_version_is_skipped(router, fleet, peft_dir):
+    """The table lists b for ``lacks`` v1, but b's engine never loaded it (as after an engine
+    restart the health poll has not seen yet): every request is served by a, and b leaves
+    rotation until its agent says it is ready again."""
+    a, b = fleet.replicas
+    en = install_sync([a.agent], peft_dir, "lacks", 1)
+    assert set_alias(router, "lacks", 1, en, [a.replica_id, b.replica_id]).status_code == 200
+    served = []
+    for _ in range(8):
+        r = complete(router, "lacks")
+        assert r.status_code == 200, r.text
+        served.append(r.headers["X-Lorafleet-Replica"])
+    assert set(served) == {a.replica_id}
+    # With a out of the version, b alone cannot serve it: a 503 that names why, not a 404.
+    assert set_alias(router, "lacks", 2, en, [b.replica_id], expected_version=1).status_code == 200
+    r = complete(router, "lacks")
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "no_replica" and "does not hold" in err["message"], err
+    wait_healthy(router, 2)
+
+
 def test_openai_client_plain_and_streaming(router, fleet, peft_dir):
     import openai
 

@@ -376,6 +376,7 @@ class Proxy:
     ) -> int:
         """Send to one replica, once more to another if it could not be reached; the status."""
         failed: Replica | None = None
+        lacking: Replica | None = None
         for _ in range(2):
             replica = self.balancer.pick(cands, session, exclude=failed)
             if replica is None:
@@ -405,6 +406,22 @@ class Proxy:
                     self.metrics.retries.inc()
                     continue
                 self.balancer.succeeded(replica, probe=False)
+                if resp.status == 404 and route.engine_name is not None:
+                    # The table lists this replica for the version, yet its engine does not
+                    # hold it: restarted and not yet reinstalled, faster than the health poll
+                    # could see. Out of rotation until its agent says ready; the request goes
+                    # to a replica that holds it.
+                    resp.release()
+                    self.balancer.failed(
+                        replica,
+                        f"its engine does not hold {route.engine_name}",
+                        definitive=True,
+                        probe=False,
+                    )
+                    lacking = replica
+                    failed = replica
+                    self.metrics.retries.inc()
+                    continue
                 try:
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
@@ -420,6 +437,10 @@ class Proxy:
                     resp.release()
             finally:
                 replica.inflight -= 1
+        if lacking is not None:
+            why = f"replica {lacking.replica_id} does not hold {route.adapter!r} v{route.version}"
+            await send_error(send, NoReplica(f"{why} right now; no other replica could serve it"))
+            return 503
         await send_error(
             send,
             EngineUnavailable(
