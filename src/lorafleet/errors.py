@@ -110,7 +110,22 @@ __all__ = [
 
 
 class LorafleetError(Exception):
-    """Root of every error lorafleet raises."""
+    """Root of every error lorafleet raises.
+
+    Pickles by class, ``args`` and attributes, never by calling a constructor (several take
+    keyword-only arguments plain pickling cannot pass), so that an error crosses a process
+    boundary whole: a Ray actor's, a rank's in ``integrations.distributed``.
+    """
+
+    def __reduce__(self):
+        return _restore, (type(self), self.args, dict(vars(self)))
+
+
+def _restore(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class BundleError(LorafleetError):

@@ -19,9 +19,9 @@ pytest.importorskip("peft")
 from lorafleet.errors import AdapterInvalid, EngineRejected, PublishError, VersionConflict
 from lorafleet.integrations.distributed import (
     _checkpoint_key,
+    _dumps,
     _peft_model,
     _plan,
-    _RemoteError,
     publish,
 )
 
@@ -36,8 +36,8 @@ class NeedsKeywords(Exception):
 
 
 def handed_over(exc: BaseException) -> BaseException:
-    """What another rank raises: packed on the failing rank, pickled, rebuilt."""
-    return pickle.loads(pickle.dumps(_RemoteError.of(exc, rank=0))).rebuild()
+    """What another rank raises: pickled on the failing rank, unpickled on another."""
+    return pickle.loads(_dumps(exc, rank=0))
 
 
 @pytest.mark.parametrize(
@@ -186,10 +186,11 @@ def test_an_outcome_that_cannot_be_pickled_still_reaches_the_other_ranks() -> No
     from lorafleet.integrations.distributed import _payload
 
     payload, substitute = _payload(threading.Lock(), rank=0)  # a result pickle refuses
-    sent = pickle.loads(payload)
-    assert isinstance(sent, _RemoteError) and substitute == sent  # the sender raises it too
-    other = sent.rebuild()
+    other = pickle.loads(payload)
     assert type(other) is RuntimeError and "could not send its outcome" in str(other)
-    # An exception travels as a _RemoteError; a picklable result as itself.
-    assert isinstance(pickle.loads(_payload(ValueError("x"), rank=0)[0]), _RemoteError)
-    assert _payload({"version": 3}, rank=0) == (pickle.dumps({"version": 3}), None)
+    assert type(substitute) is RuntimeError and str(substitute) == str(other)  # raised there too
+    # An exception travels as itself, noting its rank; a picklable result as itself.
+    sent = pickle.loads(_payload(ValueError("x"), rank=0)[0])
+    assert type(sent) is ValueError and "raised on rank 0" in "".join(sent.__notes__)
+    assert pickle.loads(_payload({"version": 3}, rank=0)[0]) == {"version": 3}
+    assert _payload({"version": 3}, rank=0)[1] is None

@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import io
 import math
 import os
 import pickle
@@ -486,56 +487,71 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@dataclass
-class _RemoteError:
-    """An exception, in a form that survives pickling whatever its constructor's signature."""
+class _Pickler(pickle.Pickler):
+    """Pickle that carries any exception whole, whatever its constructor's signature.
 
-    module: str
-    qualname: str
-    args: tuple
-    state: dict[str, Any]
-    text: str
-    rank: int
-    trace: str
+    An exception is reduced to its class's import path, ``args`` and picklable attributes,
+    and rebuilt by ``_restore_exception`` without calling its constructor (as
+    ``LorafleetError.__reduce__`` does for lorafleet's own); what cannot travel (an attribute
+    holding a lock) is left behind, and a class the receiving rank cannot import becomes a
+    ``RuntimeError`` naming it. The rebuilt exception notes the rank and its traceback.
+    """
 
-    @classmethod
-    def of(cls, exc: BaseException, rank: int) -> _RemoteError:
-        def picklable(v: Any) -> bool:
-            try:
-                pickle.dumps(v)
-                return True
-            except Exception:
-                return False
+    def __init__(self, file: Any, rank: int) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.rank = rank
 
-        args = exc.args if picklable(exc.args) else (str(exc),)
-        state = {k: v for k, v in vars(exc).items() if not k.startswith("__") and picklable(v)}
-        return cls(
-            module=type(exc).__module__,
-            qualname=type(exc).__qualname__,
-            args=args,
-            state=state,
-            text=str(exc),
-            rank=rank,
-            trace="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, BaseException):
+            return NotImplemented
+        args = obj.args if _picklable(obj.args) else (str(obj),)
+        state = {k: v for k, v in vars(obj).items() if not k.startswith("__") and _picklable(v)}
+        trace = "".join(traceback.format_exception(type(obj), obj, obj.__traceback__))
+        cls = type(obj)
+        return _restore_exception, (
+            cls.__module__,
+            cls.__qualname__,
+            args,
+            state,
+            str(obj),
+            self.rank,
+            trace,
         )
 
-    def rebuild(self) -> BaseException:
-        """The same class, args and attributes; a ``RuntimeError`` naming it if impossible."""
-        try:
-            cls: Any = importlib.import_module(self.module)
-            for part in self.qualname.split("."):
-                cls = getattr(cls, part)
-            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
-                raise TypeError(self.qualname)
-            exc = cls.__new__(cls, *self.args)
-            exc.args = self.args
-            exc.__dict__.update(self.state)
-            str(exc)  # a __str__ that needs a missing attribute fails here, not in the caller
-        except Exception:
-            exc = RuntimeError(f"rank {self.rank} failed: {self.qualname}: {self.text}")
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"raised on rank {self.rank}, which printed:\n{self.trace.rstrip()}")
-        return exc
+
+def _picklable(v: Any) -> bool:
+    try:
+        pickle.dumps(v)
+        return True
+    except Exception:
+        return False
+
+
+def _dumps(obj: Any, rank: int) -> bytes:
+    """``obj`` pickled on ``rank``, exceptions in it by ``_Pickler``'s rule."""
+    buf = io.BytesIO()
+    _Pickler(buf, rank).dump(obj)
+    return buf.getvalue()
+
+
+def _restore_exception(
+    module: str, qualname: str, args: tuple, state: dict, text: str, rank: int, trace: str
+) -> BaseException:
+    """The same class, args and attributes; a ``RuntimeError`` naming it if impossible."""
+    try:
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            raise TypeError(qualname)
+        exc = cls.__new__(cls, *args)
+        exc.args = args
+        exc.__dict__.update(state)
+        str(exc)  # a __str__ that needs a missing attribute fails here, not in the caller
+    except Exception:
+        exc = RuntimeError(f"rank {rank} failed: {qualname}: {text}")
+    exc.add_note(f"raised on rank {rank}, which printed:\n{trace.rstrip()}")
+    return exc
 
 
 def _try_plan(model: Any, adapter_name: str) -> _Plan | BaseException:
@@ -557,25 +573,25 @@ def _agree(
     if not is_distributed(group):
         return (None, mine) if isinstance(mine, BaseException) else (mine, None)
     me = _rank()
-    summary: Any = (
-        _RemoteError.of(mine, me) if isinstance(mine, BaseException) else mine.signature()
-    )
-    kind = None if isinstance(mine, BaseException) else mine.kind
-    match = not isinstance(mine, BaseException) and mine.shards_match
+    failed = isinstance(mine, BaseException)
+    summary: Any = _dumps(mine, me) if failed else mine.signature()
+    kind = None if failed else mine.kind
+    match = not failed and mine.shards_match
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (me, kind, summary, match), group=group)
-    by_rank = {r: (k, s) for r, k, s, _m in everyone}
+    # A failed rank's summary is its exception, pickled; a plan's is a tuple.
+    by_rank = {r: (k, pickle.loads(s) if isinstance(s, bytes) else s) for r, k, s, _m in everyone}
     if dst not in by_rank:
         return None, ValueError(f"rank {dst} is not in the process group {sorted(by_rank)}")
     dst_kind, dst_summary = by_rank[dst]
-    if isinstance(dst_summary, _RemoteError):
-        return None, _local_or_rebuilt(mine, dst_summary, me)
+    if isinstance(dst_summary, BaseException):
+        return None, _local_or_remote(mine, dst_summary, dst, me)
     if dst_kind == "given":
         return (mine if me == dst else _Plan(kind="given")), None  # type: ignore[return-value]
     for r in sorted(by_rank):
         _kind, summary = by_rank[r]
-        if isinstance(summary, _RemoteError):
-            return None, _local_or_rebuilt(mine, summary, me)
+        if isinstance(summary, BaseException):
+            return None, _local_or_remote(mine, summary, r, me)
     differ = sorted(r for r, (k, s) in by_rank.items() if (k, s) != (dst_kind, dst_summary))
     if differ:
         return None, ValueError(
@@ -587,9 +603,9 @@ def _agree(
     return mine, None
 
 
-def _local_or_rebuilt(mine: Any, remote: _RemoteError, me: int) -> BaseException:
-    """The failing rank raises its own exception (with its traceback); the others a rebuild."""
-    return mine if remote.rank == me and isinstance(mine, BaseException) else remote.rebuild()
+def _local_or_remote(mine: Any, remote: BaseException, rank: int, me: int) -> BaseException:
+    """The failing rank raises its own exception (with its traceback); the others its copy."""
+    return mine if rank == me and isinstance(mine, BaseException) else remote
 
 
 def _share_failure(failure: BaseException | None, *, group: Any, dst: int) -> BaseException | None:
@@ -597,37 +613,34 @@ def _share_failure(failure: BaseException | None, *, group: Any, dst: int) -> Ba
     if not is_distributed(group):
         return failure
     me = _rank()
-    box = [_RemoteError.of(failure, me) if failure is not None and me == dst else None]
+    box = [_dumps(failure, me) if failure is not None and me == dst else None]
     dist.broadcast_object_list(box, src=dst, group=group)
     if box[0] is None:
         return failure  # none on the destination; this rank's own, if any
-    return failure if me == dst else box[0].rebuild()
+    return failure if me == dst else pickle.loads(box[0])
 
 
-def _payload(outcome: Any, rank: int) -> tuple[bytes, _RemoteError | None]:
-    """``outcome`` pickled (an exception as a ``_RemoteError``); never raises.
+def _payload(outcome: Any, rank: int) -> tuple[bytes, BaseException | None]:
+    """``outcome`` pickled (an exception by ``_Pickler``'s rule); never raises.
 
-    An outcome that cannot be pickled is replaced by an error, returned too, so that the
-    sending rank raises what the others will.
+    An outcome that cannot be pickled is replaced by a ``RuntimeError``, returned too, so that
+    the sending rank raises what the others will.
     """
     try:
-        sent = _RemoteError.of(outcome, rank) if isinstance(outcome, BaseException) else outcome
-        return pickle.dumps(sent), None
+        return _dumps(outcome, rank), None
     except Exception as exc:
-        text = (
+        err = RuntimeError(
             f"rank {rank} could not send its outcome, a {type(outcome).__name__} "
             f"({type(exc).__name__}: {exc})"
         )
-        err = _RemoteError("builtins", "RuntimeError", (text,), {}, text, rank, "")
-        return pickle.dumps(err), err
+        return _dumps(err, rank), err
 
 
 def _broadcast_outcome(outcome: Any, *, group: Any, src: int) -> Any:
     """Send ``outcome`` (a result, or an exception) from ``src``; what every other rank got.
 
     The payload is pickled before the collective, so that nothing on ``src`` can fail inside
-    the broadcast and strand the others: an exception travels as a ``_RemoteError``, and an
-    outcome that cannot be pickled becomes one.
+    the broadcast and strand the others: an outcome that cannot be pickled becomes an error.
     """
     me = _rank()
     payload, substitute = _payload(outcome, me) if me == src else (b"", None)
@@ -638,7 +651,7 @@ def _broadcast_outcome(outcome: Any, *, group: Any, src: int) -> Any:
     try:
         return pickle.loads(box[0])
     except Exception as exc:
-        return _RemoteError.of(exc, me)
+        return exc
 
 
 # -- the collective publish ----------------------------------------------------------------------
@@ -713,8 +726,8 @@ def publish(
     shared = _broadcast_outcome(outcome, group=group, src=publisher_rank)
     if on_dst and isinstance(outcome, BaseException):
         raise outcome  # the original, with its traceback
-    if isinstance(shared, _RemoteError):
-        raise shared.rebuild()
+    if isinstance(shared, BaseException):
+        raise shared
     if failure is not None:
         raise failure  # this rank's own gather failed though the publication went through
     return outcome if on_dst else shared
