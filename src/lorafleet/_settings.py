@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-__all__ = ["argv_for", "click_options", "from_options", "setting"]
+__all__ = ["argv_for", "click_options", "flags", "from_options", "setting"]
 
 _KEY = "lorafleet.cli"
 
@@ -114,15 +114,24 @@ def from_options(cls: type, options: dict[str, Any], **more: Any) -> Any:
 
 def argv_for(obj: Any) -> list[str]:
     """The flags that make a service's settings equal ``obj``: only those off their default."""
+    return flags(type(obj), **{f.name: getattr(obj, f.name) for f, _cli in _settings(type(obj))})
+
+
+def flags(cls: type, **values: Any) -> list[str]:
+    """The flags that give these settings of ``cls`` these values: only those off their
+    default. A launch spec that holds a few of a service's settings writes them with this."""
+    known = {f.name: (f, cli) for f, cli in _settings(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(unknown)}")
     argv: list[str] = []
-    for f, cli in _settings(type(obj)):
-        value = getattr(obj, f.name)
-        default = _default(f)
+    for name, value in values.items():
+        f, cli = known[name]
         if cli.multiple:
             for item in value:
                 argv += [cli.flag, str(item)]
             continue
-        if value == default:
+        if value == _default(f):
             continue
         if isinstance(value, bool):
             if value:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafleet._settings import argv_for
+from lorafleet._settings import argv_for, flags
 from lorafleet.agent.limits import UploadLimits
 from lorafleet.engine_kinds import EngineKind
 from lorafleet.launch.process import lorafleet_argv
@@ -137,12 +137,15 @@ class AgentSpec(SocketServerSpec):
             "--data-dir", str(self.data_dir),
             "--fd", str(fd),
         )  # fmt: skip
+        from lorafleet.agent.app import AgentConfig
+
         if self.replica_id is not None:
             argv += ["--replica-id", self.replica_id]
-        if self.max_lora_rank is not None:
-            argv += ["--max-lora-rank", str(self.max_lora_rank)]
-        for allowed in self.shared_fs_allow:
-            argv += ["--shared-fs-allow", str(allowed)]
+        argv += flags(
+            AgentConfig,
+            max_lora_rank=self.max_lora_rank,
+            shared_fs_allow=[str(p) for p in self.shared_fs_allow],
+        )
         return argv + argv_for(self.limits) + list(self.extra)
 
     def environ(self) -> dict[str, str]:
@@ -170,7 +173,9 @@ class RouterSpec(SocketServerSpec):
         if self.state_dir is not None:
             argv += ["--state-dir", str(self.state_dir)]
         if self.health_interval is not None:
-            argv += ["--health-interval", str(self.health_interval)]
+            from lorafleet.router.app import RouterConfig
+
+            argv += flags(RouterConfig, health_interval_s=self.health_interval)
         if self.agent_token is not None:
             argv += ["--agent-token", self.agent_token]
         return argv + list(self.extra)
