@@ -139,13 +139,7 @@ def test_a_replica_whose_engine_lacks_the_version_is_skipped(router, fleet, peft
         assert r.status_code == 200, r.text
         served.append(r.headers["X-Lorafleet-Replica"])
     assert set(served) == {a.replica_id}
-    # With a out of the version, b alone cannot serve it: a 503 that names why, not a 404.
-    assert set_alias(router, "lacks", 2, en, [b.replica_id], expected_version=1).status_code == 200
-    r = complete(router, "lacks")
-    assert r.status_code == 503, r.text
-    err = r.json()["error"]
-    assert err["code"] == "no_replica" and "does not hold" in err["message"], err
-    wait_healthy(router, 2)
+    wait_healthy(router, 2)  # b is back once its agent says ready: the next test needs both
 
 
 def test_openai_client_plain_and_streaming(router, fleet, peft_dir):

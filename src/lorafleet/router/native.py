@@ -55,7 +55,8 @@ from lorafleet.protocol.trainer_names import NameMap, TrainerName
 from lorafleet.router.balancer import Replica
 
 if TYPE_CHECKING:
-    from lorafleet.router.proxy import Proxy, Route
+    from lorafleet.router.addressing import Route
+    from lorafleet.router.proxy import Proxy
 
 __all__ = ["Native", "worker_list"]
 

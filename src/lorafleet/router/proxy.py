@@ -6,10 +6,9 @@ the body, resolves ``model`` against the alias table **at arrival**, counts the 
 (no ``await`` between the two, see balancer.py), forwards it over a pooled aiohttp session and
 streams the answer back chunk by chunk. JSON bodies are tagged by splicing bytes, not re-encoding.
 
-Native ``POST /generate`` in SkyRL's shape (``{"model", "token_ids", "sampling_params"}``) maps
-to the engine's ``/v1/completions`` with a token-id prompt and ``return_token_ids``, and answers
-``{"model", "choices": [{"index", "token_ids", "text", "finish_reason", "logprobs"}]}``. A body
-with ``text`` or ``input_ids`` is SGLang's shape, answered by ``lorafleet.router.native``.
+What ``model`` names is decided in ``router/addressing.py``; lorafleet's own ``/generate``
+shape is translated in ``router/token_generate.py``, SGLang's (a body with ``text`` or
+``input_ids``) answered by ``router/native.py``.
 
 A client never sees an engine-side name in an error (``policy@v3`` becomes ``policy``), and a
 stream that fails after its first byte (the engine broke off, ended without ``[DONE]``, or sent
@@ -24,7 +23,6 @@ import errno
 import json
 import re
 import time
-from dataclasses import dataclass
 
 import aiohttp
 
@@ -46,18 +44,17 @@ from lorafleet.errors import (
     VersionNotRoutable,
 )
 from lorafleet.protocol.errors import error_body
-from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import (
     ADAPTER_HEADER,
     REPLICA_HEADER,
     SESSION_HEADER,
     TAG_FIELD,
     VERSION_HEADER,
-    AliasEntry,
-    RoutableVersion,
 )
 from lorafleet.protocol.sglang import is_native_generate
 from lorafleet.router import inference_generate as inference
+from lorafleet.router import token_generate
+from lorafleet.router.addressing import Addressing, Route
 from lorafleet.router.balancer import Balancer, Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.native import Native
@@ -120,27 +117,14 @@ class _Unreachable(Exception):
         self.detail, self.refused = detail, refused
 
 
-@dataclass(slots=True)
-class Route:
-    """What a request resolved to at arrival."""
-
-    alias: str | None
-    adapter: str | None
-    version: int | None
-    engine_name: str | None
-    replicas: list[str] | None
-    base_model: str | None
-    lag: int = 0
-    """How many versions behind the name's newest (a pin or a session's version)."""
-
-
 def _esc(s: str) -> bytes:
     """``s`` as the inside of a JSON string."""
     return json.dumps(s)[1:-1].encode()
 
 
-class Proxy:
-    """Routes OpenAI-style requests to replicas by adapter version."""
+class Proxy(Addressing):
+    """Routes OpenAI-style requests to replicas by adapter version (``resolve``: what a
+    request names, from ``Addressing``)."""
 
     def __init__(
         self,
@@ -152,8 +136,7 @@ class Proxy:
         fresh: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
     ) -> None:
-        self.store = store
-        self.balancer = balancer
+        super().__init__(store, balancer)
         self.metrics = metrics
         self.session = session
         self.fresh = fresh or session
@@ -187,7 +170,7 @@ class Proxy:
                 return
             route = self.resolve(req.get("model"), session)
             if path == "/generate":
-                fwd, fwd_path = self._generate_request(req, route), "/v1/completions"
+                fwd, fwd_path = token_generate.as_completion(req, route), "/v1/completions"
             elif path == inference.INFERENCE_GENERATE:
                 fwd, fwd_path = inference.check_request(req), path  # a copy: never the raw bytes
             else:
@@ -253,77 +236,6 @@ class Proxy:
                 raise BodyTooLarge(f"body over {MAX_BODY} bytes")
         return bytes(buf)
 
-    def resolve(self, model: object, session: str | None = None) -> Route:
-        """``model`` -> Route, at arrival (see the addressing rules in protocol/router.py).
-
-        Raises ``NotFound`` for an unknown name, ``VersionNotRoutable`` for a pin (or a
-        session's version) outside the retention window, ``StaleVersion`` past
-        ``max_staleness``.
-        """
-        if model is None:
-            return Route(None, None, None, None, None, None)
-        if not isinstance(model, str):
-            raise InvalidRequest("model must be a string", param="model")
-        aliases = self.store.aliases
-        entry = aliases.get(model)
-        if entry is not None:
-            if session is None or not entry.pins_sessions:
-                ref = entry.window()[0]
-            else:
-                ref = self._session_version(entry, session)
-            lag = entry.version - ref.version
-            return Route(model, model, ref.version, ref.engine_name, ref.replicas, None, lag)
-        name, at, v = model.rpartition("@v")
-        if at and v.isdigit() and name in aliases:
-            entry = aliases[name]
-            ref = self._routable(entry, int(v), f"{model!r}")
-            lag = entry.version - ref.version
-            return Route(model, name, ref.version, ref.engine_name, ref.replicas, None, lag)
-        if model in self.balancer.base_models():
-            return Route(model, None, None, None, None, model)
-        # 400 invalid_name: no adapter (or pinned version, name@vN) could ever have this name.
-        check_engine_name(model, param="model")
-        raise NotFound(f"The model `{model}` does not exist.", param="model")
-
-    def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
-        """The version ``session`` started on (pinned now if it is new)."""
-        pinned = self.balancer.pin(session, entry.name, entry.version)
-        return self._routable(entry, pinned, f"session {session!r}, which started on it,")
-
-    @staticmethod
-    def _routable(entry: AliasEntry, version: int, who: str) -> RoutableVersion:
-        window = entry.window()
-        listed = ", ".join(f"v{v.version}" for v in window)
-        ref = next((v for v in window if v.version == version), None)
-        if ref is None:
-            raise VersionNotRoutable(
-                f"{entry.name!r} v{version} is not routable for {who} (it is outside the "
-                f"retention window of {entry.keep_versions}); routable: {listed}"
-            )
-        lag = entry.version - version
-        if lag > entry.staleness:
-            raise StaleVersion(
-                f"{entry.name!r} v{version} requested by {who} is {lag} version(s) behind v"
-                f"{entry.version}, more than max_staleness {entry.staleness}; routable: {listed}"
-            )
-        return ref
-
-    @staticmethod
-    def _generate_request(req: dict, route: Route) -> dict:
-        """SkyRL's ``{model, token_ids, sampling_params}`` as a token-id completion request."""
-        ids = req.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise InvalidRequest("token_ids must be a non-empty int list")
-        if req.get("stream"):
-            raise InvalidRequest("/generate does not stream")
-        sp = req.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise InvalidRequest("sampling_params must be an object")
-        body = {**sp, "prompt": ids, "return_token_ids": True}
-        if route.alias is not None:
-            body["model"] = route.alias
-        return body
-
     def _tag(self, route: Route, replica: Replica, engine_model: bytes | None) -> bytes:
         tag = {"adapter": route.adapter, "version": route.version, "replica": replica.replica_id}
         if engine_model is not None:
@@ -376,7 +288,6 @@ class Proxy:
     ) -> int:
         """Send to one replica, once more to another if it could not be reached; the status."""
         failed: Replica | None = None
-        lacking: Replica | None = None
         for _ in range(2):
             replica = self.balancer.pick(cands, session, exclude=failed)
             if replica is None:
@@ -406,11 +317,16 @@ class Proxy:
                     self.metrics.retries.inc()
                     continue
                 self.balancer.succeeded(replica, probe=False)
-                if resp.status == 404 and route.engine_name is not None:
+                if (
+                    resp.status == 404
+                    and route.engine_name is not None
+                    and failed is None
+                    and any(c is not replica for c in cands)
+                ):
                     # The table lists this replica for the version, yet its engine does not
                     # hold it: restarted and not yet reinstalled, faster than the health poll
                     # could see. Out of rotation until its agent says ready; the request goes
-                    # to a replica that holds it.
+                    # to another holder (with none, the engine's answer is relayed).
                     resp.release()
                     self.balancer.failed(
                         replica,
@@ -418,7 +334,6 @@ class Proxy:
                         definitive=True,
                         probe=False,
                     )
-                    lacking = replica
                     failed = replica
                     self.metrics.retries.inc()
                     continue
@@ -437,10 +352,6 @@ class Proxy:
                     resp.release()
             finally:
                 replica.inflight -= 1
-        if lacking is not None:
-            why = f"replica {lacking.replica_id} does not hold {route.adapter!r} v{route.version}"
-            await send_error(send, NoReplica(f"{why} right now; no other replica could serve it"))
-            return 503
         await send_error(
             send,
             EngineUnavailable(
@@ -475,7 +386,7 @@ class Proxy:
             body = self._scrub(body, route, sent_model)
         if resp.status == 200 and ctype.startswith("application/json"):
             if generate:
-                body = self._generate_answer(body, route)
+                body = token_generate.from_completion(body)
             if translated:
                 try:
                     body = inference.from_completion(body)
@@ -517,21 +428,6 @@ class Proxy:
         if path == inference.INFERENCE_GENERATE and inference.translated(replica.kind):
             return "/v1/completions", inference.as_completion(req), True
         return path, req, False
-
-    @staticmethod
-    def _generate_answer(body: bytes, route: Route) -> bytes:
-        out = json.loads(body)
-        choices = [
-            {
-                "index": c.get("index", i),
-                "token_ids": c.get("token_ids"),
-                "text": c.get("text"),
-                "finish_reason": c.get("finish_reason"),
-                "logprobs": c.get("logprobs"),
-            }
-            for i, c in enumerate(out.get("choices") or [])
-        ]
-        return json.dumps({"model": out.get("model"), "choices": choices}).encode()
 
     async def _stream(
         self,

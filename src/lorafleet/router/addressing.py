@@ -1,0 +1,97 @@
+"""Addressing: what a request's ``model`` (and session) names, resolved at arrival.
+
+The rules (``protocol/router.py``): an alias is its newest routable version (or, for a session
+on a name that pins sessions, the version the session started on); ``name@vN`` pins a version
+inside the retention window and under ``max_staleness``; a base model's own name goes to any
+replica serving it. One place for them, shared by the OpenAI-style proxy and SGLang's native
+``/generate`` (``router/native.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafleet.errors import InvalidRequest, NotFound, StaleVersion, VersionNotRoutable
+from lorafleet.protocol.names import check_engine_name
+from lorafleet.protocol.router import AliasEntry, RoutableVersion
+from lorafleet.router.balancer import Balancer
+from lorafleet.router.table import AliasStore
+
+__all__ = ["Addressing", "Route"]
+
+
+@dataclass(slots=True)
+class Route:
+    """What a request resolved to at arrival."""
+
+    alias: str | None
+    adapter: str | None
+    version: int | None
+    engine_name: str | None
+    replicas: list[str] | None
+    base_model: str | None
+    lag: int = 0
+    """How many versions behind the name's newest (a pin or a session's version)."""
+
+
+class Addressing:
+    """Resolves ``model`` against the alias table and the replicas' base models."""
+
+    def __init__(self, store: AliasStore, balancer: Balancer) -> None:
+        self.store = store
+        self.balancer = balancer
+
+    def resolve(self, model: object, session: str | None = None) -> Route:
+        """``model`` -> Route, at arrival (see the addressing rules in protocol/router.py).
+
+        Raises ``NotFound`` for an unknown name, ``VersionNotRoutable`` for a pin (or a
+        session's version) outside the retention window, ``StaleVersion`` past
+        ``max_staleness``.
+        """
+        if model is None:
+            return Route(None, None, None, None, None, None)
+        if not isinstance(model, str):
+            raise InvalidRequest("model must be a string", param="model")
+        aliases = self.store.aliases
+        entry = aliases.get(model)
+        if entry is not None:
+            if session is None or not entry.pins_sessions:
+                ref = entry.window()[0]
+            else:
+                ref = self._session_version(entry, session)
+            lag = entry.version - ref.version
+            return Route(model, model, ref.version, ref.engine_name, ref.replicas, None, lag)
+        name, at, v = model.rpartition("@v")
+        if at and v.isdigit() and name in aliases:
+            entry = aliases[name]
+            ref = self._routable(entry, int(v), f"{model!r}")
+            lag = entry.version - ref.version
+            return Route(model, name, ref.version, ref.engine_name, ref.replicas, None, lag)
+        if model in self.balancer.base_models():
+            return Route(model, None, None, None, None, model)
+        # 400 invalid_name: no adapter (or pinned version, name@vN) could ever have this name.
+        check_engine_name(model, param="model")
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
+
+    def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
+        """The version ``session`` started on (pinned now if it is new)."""
+        pinned = self.balancer.pin(session, entry.name, entry.version)
+        return self._routable(entry, pinned, f"session {session!r}, which started on it,")
+
+    @staticmethod
+    def _routable(entry: AliasEntry, version: int, who: str) -> RoutableVersion:
+        window = entry.window()
+        listed = ", ".join(f"v{v.version}" for v in window)
+        ref = next((v for v in window if v.version == version), None)
+        if ref is None:
+            raise VersionNotRoutable(
+                f"{entry.name!r} v{version} is not routable for {who} (it is outside the "
+                f"retention window of {entry.keep_versions}); routable: {listed}"
+            )
+        lag = entry.version - version
+        if lag > entry.staleness:
+            raise StaleVersion(
+                f"{entry.name!r} v{version} requested by {who} is {lag} version(s) behind v"
+                f"{entry.version}, more than max_staleness {entry.staleness}; routable: {listed}"
+            )
+        return ref
