@@ -112,3 +112,63 @@ def test_each_replica_gets_its_dialect_and_the_client_its_alias():
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+class RestartedSGLang(RecordingEngine):
+    """A real SGLang's answer for an adapter it never saw (it restarted empty): a 400."""
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if body["model"] in self.known:
+            return web.json_response({"id": "c", "model": body["model"], "choices": [{}]})
+        message = (
+            f"Got LoRA adapter that has never been loaded: {body['model'].split(':', 1)[-1]}\n"
+            "All loaded adapters: dict_keys([])."
+        )
+        return web.json_response({"object": "error", "message": message, "code": 400}, status=400)
+
+
+def test_a_replica_whose_engine_lacks_the_version_hands_the_request_on_in_its_dialect():
+    """Each kind says "I do not hold it" its own way (vLLM 404, SGLang 400 "never been
+    loaded"); either way the request goes to a replica that holds the version, and one that
+    refuses for another reason is relayed as it is."""
+    vllm = RecordingEngine({"p@v1", "tiny"})
+    sglang = RestartedSGLang({"tiny"})
+
+    async def scenario() -> None:
+        runners = []
+        balancer = Balancer(["http://a0", "http://a1"])
+        for rep, (kind, engine) in zip(balancer.replicas, [("vllm", vllm), ("sglang", sglang)],
+                                       strict=True):  # fmt: skip
+            runner, url = await engine.start()
+            runners.append(runner)
+            rep.replica_id, rep.engine_url, rep.healthy = kind, url, True
+            rep.kind, rep.base_model = kind, "tiny"
+        balancer.reindex()
+        store = AliasStore()
+        store.set_alias("p", 1, "p@v1", ["vllm", "sglang"])
+        async with aiohttp.ClientSession() as http:
+            proxy = Proxy(store, balancer, RouterMetrics(), http)
+            tried = 0
+            for _ in range(4):
+                balancer.replicas[1].healthy = True  # as its probe would say: its agent is up
+                before = len(sglang.bodies)
+                status, body = await _call(proxy, {"model": "p", "prompt": "hi"})
+                assert status == 200, body
+                assert body["lorafleet"]["replica"] == "vllm"
+                if len(sglang.bodies) > before:  # it was tried, and taken out of rotation
+                    tried += 1
+                    assert sglang.bodies[-1]["model"] == "tiny:p@v1"
+                    assert not balancer.replicas[1].healthy
+                    assert "does not hold p@v1" in balancer.replicas[1].detail
+            assert tried >= 1
+            # The only holder lacking it: its own answer, as SGLang gave it (alias scrubbed).
+            store.set_alias("p", 2, "p@v2", ["sglang"], expected_version=1)
+            status, body = await _call(proxy, {"model": "p", "prompt": "hi"})
+            assert status == 400 and "never been loaded" in body["message"], body
+            assert "p@v2" not in json.dumps(body)
+        for runner in runners:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

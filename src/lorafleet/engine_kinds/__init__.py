@@ -68,6 +68,10 @@ class EngineKindInfo:
     """An in-place load goes through a link the agent repoints: the engine re-reads a name's
     remembered path after an unload (SGLang)."""
     options: tuple[EngineOption, ...] = field(default=())
+    lacks_adapter: Callable[[int, bytes], bool] = lambda status, _body: status == 404
+    """Whether an engine's error answer (status, body) to a generation request says it does
+    not hold the adapter it was asked for (vLLM: 404). The router then tries a replica that
+    does: the table can be a health poll behind an engine that restarted empty."""
 
     def make_backend(
         self,

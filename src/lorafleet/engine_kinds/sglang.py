@@ -26,4 +26,9 @@ KIND = EngineKindInfo(
     adapter_in_model=lambda base, engine_name: f"{base}:{engine_name}",
     links_in_place=True,
     options=(UPSERT,),
+    # 400 with the tokenizer manager's words: a name it never saw (an engine restarted empty),
+    # or one the registry lost between the check and the lookup.
+    lacks_adapter=lambda status, body: (
+        status == 400 and (b"has never been loaded" in body or b"are not loaded" in body)
+    ),
 )

@@ -27,7 +27,7 @@ import time
 import aiohttp
 
 from lorafleet._service import check_token, send_error
-from lorafleet.engine_kinds import address, model_field
+from lorafleet.engine_kinds import address, engine_kind, model_field
 from lorafleet.errors import (
     BodyTooLarge,
     EngineRejected,
@@ -317,12 +317,14 @@ class Proxy(Addressing):
                     self.metrics.retries.inc()
                     continue
                 self.balancer.succeeded(replica, probe=False)
-                if (
-                    resp.status == 404
-                    and route.engine_name is not None
-                    and failed is None
-                    and any(c is not replica for c in cands)
-                ):
+                try:
+                    lacks = await self._lacks_adapter(
+                        replica, resp, route, retry=failed is None, cands=cands
+                    )
+                except BaseException:
+                    resp.close()
+                    raise
+                if lacks:
                     # The table lists this replica for the version, yet its engine does not
                     # hold it: restarted and not yet reinstalled, faster than the health poll
                     # could see. Out of rotation until its agent says ready; the request goes
@@ -359,6 +361,27 @@ class Proxy(Addressing):
             ),
         )
         return 503
+
+    @staticmethod
+    async def _lacks_adapter(
+        replica: Replica,
+        resp: aiohttp.ClientResponse,
+        route: Route,
+        *,
+        retry: bool,
+        cands: list[Replica],
+    ) -> bool:
+        """Whether ``resp`` is ``replica``'s engine saying it does not hold the adapter the
+        route names, and another candidate is left to try (``lacks_adapter`` of its kind)."""
+        if not retry or resp.status < 400 or route.engine_name is None:
+            return False
+        if not any(c is not replica for c in cands):
+            return False
+        try:
+            body = await resp.read()  # cached: _whole relays the same bytes if it is not that
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+        return engine_kind(replica.kind).lacks_adapter(resp.status, body)
 
     async def _whole(
         self,
