@@ -158,6 +158,24 @@ def test_lora_path_names_and_base(routed, fleet):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_name"
 
 
+def test_a_replica_whose_engine_lacks_the_version_is_skipped(routed, fleet, peft_dir):
+    """The table lists b for ``natlack`` v1, but only a's engine holds it (as after b's engine
+    restarted empty): plain and streamed native requests are all served by a."""
+    a, b = fleet.replicas
+    en = install_sync([a.agent], peft_dir, "natlack", 1)
+    assert set_alias(routed, "natlack", 1, en, [a.replica_id, b.replica_id]).status_code == 200
+    for _ in range(4):
+        r = gen(routed, input_ids=IDS, lora_path="natlack")
+        assert r.status_code == 200, r.text
+        assert r.json()["lorafleet"]["replica"] == a.replica_id
+        body = {"input_ids": IDS, "sampling_params": SP, "stream": True, "lora_path": "natlack"}
+        with httpx.stream("POST", routed.url + "/generate", json=body, timeout=60) as s:
+            assert s.status_code == 200, s.read()
+            assert s.headers["x-lorafleet-replica"] == a.replica_id
+            assert s.read().decode().endswith("data: [DONE]\n\n")
+    wait_healthy(routed, 2)  # b is back once its agent says ready
+
+
 def test_batch_text_mixed_adapters_in_order(routed, fleet):
     r = gen(routed, text=["hello", "hello"], lora_path=["nat", None], rid="b")
     assert r.status_code == 200, r.text

@@ -34,7 +34,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from lorafleet._service import send_error
-from lorafleet.engine_kinds import model_field
+from lorafleet.engine_kinds import engine_kind, model_field
 from lorafleet.errors import (
     EngineUnavailable,
     InvalidRequest,
@@ -281,6 +281,7 @@ class Native:
         return await self._on_replica(
             cands,
             session,
+            route,
             lambda replica: (
                 self._sglang(req, item, route, replica)
                 if replica.kind == "sglang"
@@ -292,8 +293,14 @@ class Native:
         self,
         cands: list[Replica],
         session: str | None,
+        route: Route,
         call: Callable[[Replica], Awaitable[_Answer]],
+        *,
+        unsent: Callable[[], bool] = lambda: True,
     ) -> _Answer:
+        """``call`` on one replica; once more on another if the first could not be reached,
+        or its engine said it does not hold the version (while ``unsent()``: nothing of the
+        answer has reached the client yet)."""
         from lorafleet.router.proxy import _Unreachable
 
         proxy = self.proxy
@@ -305,7 +312,23 @@ class Native:
             replica.inflight += 1
             placed_at = replica.agent_url
             try:
-                return await call(replica)
+                answer = await call(replica)
+                if (
+                    failed is None
+                    and route.engine_name is not None
+                    and answer.status >= 400
+                    and isinstance(answer.body, bytes)
+                    and unsent()
+                    and any(c is not replica for c in cands)
+                    and engine_kind(replica.kind).lacks_adapter(answer.status, answer.body)
+                ):
+                    # As in the proxy: an engine that restarted empty, ahead of its probe.
+                    why = f"its engine does not hold {route.engine_name}"
+                    proxy.balancer.failed(replica, why, definitive=True, probe=False)
+                    failed = replica
+                    proxy.metrics.retries.inc()
+                    continue
+                return answer
             except _Unreachable as exc:
                 if replica.agent_url == placed_at:
                     proxy.balancer.failed(replica, exc.detail, definitive=exc.refused, probe=False)
@@ -566,7 +589,7 @@ class Native:
                 await frame(replica, answer.body)
             return answer
 
-        answer = await self._on_replica(cands, session, call)
+        answer = await self._on_replica(cands, session, route, call, unsent=lambda: not started)
         if not started:
             # Nothing was sent yet: a plain error answer, as SGLang's own refusals are.
             body = answer.body if isinstance(answer.body, bytes) else json.dumps(answer.body)
