@@ -10,6 +10,7 @@ These drive the proxy in-process against recording engines; tests/contract runs 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -67,14 +68,14 @@ async def _call(proxy: Proxy, body: dict) -> tuple[int, dict]:
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
 
-def test_each_replica_gets_its_dialect_and_the_client_its_alias():
-    vllm = RecordingEngine({"p@v1", "tiny"})
-    sglang = RecordingEngine({"tiny:p@v1", "tiny"})
-
-    async def scenario() -> None:
-        runners = []
-        balancer = Balancer(["http://a0", "http://a1"])
-        engines = [("vllm", vllm), ("sglang", sglang)]
+@contextlib.asynccontextmanager
+async def two_replicas(vllm: RecordingEngine, sglang: RecordingEngine):
+    """A proxy over a vLLM and an SGLang replica (ids ``vllm``, ``sglang``) that both hold
+    ``p`` v1 in the table; yields (proxy, store, balancer)."""
+    runners = []
+    balancer = Balancer(["http://a0", "http://a1"])
+    engines = [("vllm", vllm), ("sglang", sglang)]
+    try:
         for rep, (kind, engine) in zip(balancer.replicas, engines, strict=True):
             runner, url = await engine.start()
             runners.append(runner)
@@ -84,7 +85,18 @@ def test_each_replica_gets_its_dialect_and_the_client_its_alias():
         store = AliasStore()
         store.set_alias("p", 1, "p@v1", ["vllm", "sglang"])
         async with aiohttp.ClientSession() as http:
-            proxy = Proxy(store, balancer, RouterMetrics(), http)
+            yield Proxy(store, balancer, RouterMetrics(), http), store, balancer
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_each_replica_gets_its_dialect_and_the_client_its_alias():
+    vllm = RecordingEngine({"p@v1", "tiny"})
+    sglang = RecordingEngine({"tiny:p@v1", "tiny"})
+
+    async def scenario() -> None:
+        async with two_replicas(vllm, sglang) as (proxy, _store, _balancer):
             seen = set()
             for _ in range(4):
                 status, body = await _call(proxy, {"model": "p", "prompt": "hi", "lora_path": "z"})
@@ -108,8 +120,6 @@ def test_each_replica_gets_its_dialect_and_the_client_its_alias():
             status, body = await _call(proxy, {"model": "p", "prompt": "hi"})
             assert status == 404 and "p@v1" not in json.dumps(body), body
             assert "`p`" in body["error"]["message"]
-        for runner in runners:
-            await runner.cleanup()
 
     asyncio.run(scenario())
 
@@ -137,19 +147,7 @@ def test_a_replica_whose_engine_lacks_the_version_hands_the_request_on_in_its_di
     sglang = RestartedSGLang({"tiny"})
 
     async def scenario() -> None:
-        runners = []
-        balancer = Balancer(["http://a0", "http://a1"])
-        for rep, (kind, engine) in zip(balancer.replicas, [("vllm", vllm), ("sglang", sglang)],
-                                       strict=True):  # fmt: skip
-            runner, url = await engine.start()
-            runners.append(runner)
-            rep.replica_id, rep.engine_url, rep.healthy = kind, url, True
-            rep.kind, rep.base_model = kind, "tiny"
-        balancer.reindex()
-        store = AliasStore()
-        store.set_alias("p", 1, "p@v1", ["vllm", "sglang"])
-        async with aiohttp.ClientSession() as http:
-            proxy = Proxy(store, balancer, RouterMetrics(), http)
+        async with two_replicas(vllm, sglang) as (proxy, store, balancer):
             tried = 0
             for _ in range(4):
                 balancer.replicas[1].healthy = True  # as its probe would say: its agent is up
@@ -168,7 +166,5 @@ def test_a_replica_whose_engine_lacks_the_version_hands_the_request_on_in_its_di
             status, body = await _call(proxy, {"model": "p", "prompt": "hi"})
             assert status == 400 and "never been loaded" in body["message"], body
             assert "p@v2" not in json.dumps(body)
-        for runner in runners:
-            await runner.cleanup()
 
     asyncio.run(scenario())
