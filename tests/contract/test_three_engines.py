@@ -338,3 +338,30 @@ def test_engine_restart_brings_the_adapter_back(
         assert_serves(engine, router, name, f"{name}@v1", 1, merged["a"], tiny_model)
     finally:
         engine.unload(f"{name}@v1")
+
+
+def test_each_engine_says_it_lacks_an_adapter_the_way_its_kind_expects(engine):
+    """The router hands a request on when a listed replica's engine lacks the version
+    (``EngineKindInfo.lacks_adapter``). That only works if the rule matches what the real engine
+    answers for a name it never loaded, on the routes the router sends, and not what it answers
+    for another refusal."""
+    from lorafleet.engine_kinds import engine_kind
+
+    kind = engine_kind(engine.kind)
+    model = engine.direct(f"never-loaded-{secrets.token_hex(4)}@v1")
+    calls = [
+        ("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 2}),
+    ]
+    if engine.kind == "sglang":  # the native route, addressed by lora_path
+        native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        calls.append(("/generate", {**native, "lora_path": model.split(":", 1)[1]}))
+    for path, body in calls:
+        r = httpx.post(engine.url + path, json=body, timeout=60)
+        assert r.status_code >= 400, (path, r.text)
+        assert kind.lacks_adapter(r.status_code, r.content), (path, r.status_code, r.text)
+    # Another refusal, of the base model, is not "lacks the adapter".
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": -3}
+    bad = httpx.post(engine.url + "/v1/completions", json=body, timeout=60)
+    assert bad.status_code >= 400, bad.text
+    assert not kind.lacks_adapter(bad.status_code, bad.content), bad.text
