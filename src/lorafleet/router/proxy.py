@@ -438,8 +438,10 @@ class Proxy(Addressing):
             return _ENGINE_NAME_RE.sub(rb"\1", body)
         alias = _esc(route.alias)
         if route.engine_name is not None:
-            for internal in {sent_model, route.engine_name} - {None, "", route.alias}:
-                body = body.replace(_esc(internal), alias)  # type: ignore[arg-type]
+            # Longest first: ``tiny:p@v1`` must not lose its ``p@v1`` before it is replaced.
+            internals = {sent_model, route.engine_name} - {None, "", route.alias}
+            for internal in sorted(internals, key=len, reverse=True):  # type: ignore[arg-type]
+                body = body.replace(_esc(internal), alias)
         # Any other versioned engine name loses its version; the client's own (a pinned
         # ``policy@v3``) stays as the client wrote it.
         return _ENGINE_NAME_RE.sub(lambda m: m[0] if m[0] == alias else m[1], body)
