@@ -34,7 +34,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from lorafleet._service import send_error
-from lorafleet.engine_kinds import engine_kind, model_field
+from lorafleet.engine_kinds import model_field
 from lorafleet.errors import (
     EngineUnavailable,
     InvalidRequest,
@@ -315,18 +315,11 @@ class Native:
                 answer = await call(replica)
                 if (
                     failed is None
-                    and route.engine_name is not None
-                    and answer.status >= 400
                     and isinstance(answer.body, bytes)
                     and unsent()
-                    and any(c is not replica for c in cands)
-                    and engine_kind(replica.kind).lacks_adapter(answer.status, answer.body)
+                    and proxy.hand_on(replica, route, answer.status, answer.body, cands)
                 ):
-                    # As in the proxy: an engine that restarted empty, ahead of its probe.
-                    why = f"its engine does not hold {route.engine_name}"
-                    proxy.balancer.failed(replica, why, definitive=True, probe=False)
                     failed = replica
-                    proxy.metrics.retries.inc()
                     continue
                 return answer
             except _Unreachable as exc:

@@ -318,27 +318,15 @@ class Proxy(Addressing):
                     continue
                 self.balancer.succeeded(replica, probe=False)
                 try:
-                    lacks = await self._lacks_adapter(
+                    if await self._lacks_adapter(
                         replica, resp, route, retry=failed is None, cands=cands
-                    )
+                    ):
+                        resp.release()
+                        failed = replica
+                        continue
                 except BaseException:
                     resp.close()
                     raise
-                if lacks:
-                    # The table lists this replica for the version, yet its engine does not
-                    # hold it: restarted and not yet reinstalled, faster than the health poll
-                    # could see. Out of rotation until its agent says ready; the request goes
-                    # to another holder (with none, the engine's answer is relayed).
-                    resp.release()
-                    self.balancer.failed(
-                        replica,
-                        f"its engine does not hold {route.engine_name}",
-                        definitive=True,
-                        probe=False,
-                    )
-                    failed = replica
-                    self.metrics.retries.inc()
-                    continue
                 try:
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and resp.status == 200 and "text/event-stream" in ctype:
@@ -362,8 +350,8 @@ class Proxy(Addressing):
         )
         return 503
 
-    @staticmethod
     async def _lacks_adapter(
+        self,
         replica: Replica,
         resp: aiohttp.ClientResponse,
         route: Route,
@@ -371,17 +359,34 @@ class Proxy(Addressing):
         retry: bool,
         cands: list[Replica],
     ) -> bool:
-        """Whether ``resp`` is ``replica``'s engine saying it does not hold the adapter the
-        route names, and another candidate is left to try (``lacks_adapter`` of its kind)."""
+        """``hand_on`` for an answer not read yet (its body is read only when it may be that)."""
         if not retry or resp.status < 400 or route.engine_name is None:
-            return False
-        if not any(c is not replica for c in cands):
             return False
         try:
             body = await resp.read()  # cached: _whole relays the same bytes if it is not that
         except (TimeoutError, aiohttp.ClientError):
             return False
-        return engine_kind(replica.kind).lacks_adapter(resp.status, body)
+        return self.hand_on(replica, route, resp.status, body, cands)
+
+    def hand_on(
+        self, replica: Replica, route: Route, status: int, body: bytes, cands: list[Replica]
+    ) -> bool:
+        """Whether a request goes on from ``replica`` to another candidate because its engine
+        answered (``status``, ``body``) that it does not hold the version ``route`` names
+        (``lacks_adapter`` of its kind). The table lists it for the version, yet the engine
+        restarted empty, faster than the health poll could see: it leaves rotation until its
+        agent says ready. With no other candidate, the engine's answer is relayed."""
+        if (
+            status < 400
+            or route.engine_name is None
+            or not any(c is not replica for c in cands)
+            or not engine_kind(replica.kind).lacks_adapter(status, body)
+        ):
+            return False
+        why = f"its engine does not hold {route.engine_name}"
+        self.balancer.failed(replica, why, definitive=True, probe=False)
+        self.metrics.retries.inc()
+        return True
 
     async def _whole(
         self,
