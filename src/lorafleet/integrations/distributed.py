@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from lorafleet.bundle.bundle import AdapterBundle, peft_config_dict
+from lorafleet.errors import rebuild_exception
 
 __all__ = ["gather_adapter", "is_distributed", "publish"]
 
@@ -544,9 +545,7 @@ def _restore_exception(
             cls = getattr(cls, part)
         if not (isinstance(cls, type) and issubclass(cls, BaseException)):
             raise TypeError(qualname)
-        exc = cls.__new__(cls, *args)
-        exc.args = args
-        exc.__dict__.update(state)
+        exc = rebuild_exception(cls, args, state)
         str(exc)  # a __str__ that needs a missing attribute fails here, not in the caller
     except Exception:
         exc = RuntimeError(f"rank {rank} failed: {qualname}: {text}")

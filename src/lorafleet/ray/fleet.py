@@ -55,6 +55,7 @@ __all__ = ["EngineOnRay", "RayFleet", "attach", "attach_engines", "deploy"]
 DEFAULT_NAMESPACE = "lorafleet"
 DEFAULT_WORKDIR = "/tmp/lorafleet-ray"
 _ROUTER = "lorafleet-router"
+_NAME_RELEASE_S = 10.0  # how long shutdown waits for Ray to free the actors' names
 
 _ServerActor = ray.remote(ServerActor)
 _FleetRecord = ray.remote(FleetRecord)
@@ -242,9 +243,13 @@ def attach(namespace: str = DEFAULT_NAMESPACE) -> RayFleet:
     Raises ``LookupError`` when no fleet runs there.
     """
     record = find_record(namespace)
+    missing = LookupError(f"no lorafleet fleet in Ray namespace {namespace!r}")
     if record is None:
-        raise LookupError(f"no lorafleet fleet in Ray namespace {namespace!r}")
-    return RayFleet.from_record(ray.get(record.get.remote()))
+        raise missing
+    try:
+        return RayFleet.from_record(ray.get(record.get.remote()))
+    except ray.exceptions.ActorDiedError as exc:  # shut down between the lookup and the call
+        raise missing from exc
 
 
 def deploy(
@@ -569,3 +574,13 @@ def _kill_actors(names: Sequence[str], namespace: str, *, stop: bool = True) -> 
     for h in handles:
         with contextlib.suppress(Exception):
             ray.kill(h, no_restart=True)
+    # ray.kill returns before the GCS frees the name; until it does, get_actor still hands out
+    # the dead actor, and a deploy or attach in the same namespace would meet it.
+    deadline = time.monotonic() + _NAME_RELEASE_S
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break
+            time.sleep(0.05)
