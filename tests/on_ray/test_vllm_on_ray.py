@@ -9,6 +9,7 @@ import os
 import pytest
 
 from lorafleet.testing import greedy_completion, merged_greedy_ids, wait_until
+from tests.on_ray.procs import group_members
 
 pytestmark = pytest.mark.vllm
 PROMPT = "The quick brown fox"
@@ -69,5 +70,7 @@ def test_real_vllm_under_ray_publish_route_and_engine_restart(fleet, tiny_model,
         return status == 200 and ids == expected and body["lorafleet"]["version"] == res.version
 
     wait_until(serving_again, timeout=400, message="vLLM not restarted and reconciled")
+    # Ray killed the old server's leader; its watchdog took the rest (vLLM's EngineCore).
+    wait_until(lambda: not group_members(before["pid"]), timeout=30, message="old vLLM orphans")
     assert ray.get(fleet.engine_actor(0).info.remote())["url"] == before["url"]
     assert greedy_completion(fleet.engine_urls[0], res.engine_name, PROMPT, 8)[1] == expected

@@ -116,13 +116,7 @@ class ServerActor:
         self._launcher = Launcher(self.workdir / "logs")
         self.server: Server = self._start()
         port_file.write_text(str(self.server.port))
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "lorafleet.ray._reaper", str(os.getpid()), str(self.server.pid)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        _start_reaper(self.server.pid)
         self.told: str | None = None
         """What telling the fleet came to: None (not yet or nothing to tell), "moved",
         "in place", or an error."""
@@ -257,11 +251,23 @@ class ServerActor:
         return self.server.proc.log_tail(n)
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL) and its watchdog."""
+        """Stop the server (SIGTERM, then SIGKILL); its watchdog leaves once the group is gone."""
         self._launcher.stop_all()
-        if self._reaper.poll() is None:
-            self._reaper.kill()
-            self._reaper.wait()
+
+
+def _start_reaper(server_pid: int) -> None:
+    """Start the watchdog that kills ``server_pid``'s process group once this actor dies."""
+    # Run as a file, not a module: ``-m`` would import lorafleet.ray and with it Ray (seconds).
+    script = Path(__file__).with_name("_reaper.py")
+    subprocess.run(
+        [sys.executable, str(script), str(os.getpid()), str(server_pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        check=True,
+        timeout=60,
+    )
 
 
 def _engine_url(seat: Seat) -> str:
