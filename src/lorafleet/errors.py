@@ -118,10 +118,10 @@ class LorafleetError(Exception):
     """
 
     def __reduce__(self):
-        return rebuild_exception, (type(self), self.args, dict(vars(self)))
+        return _rebuild_exception, (type(self), self.args, dict(vars(self)))
 
 
-def rebuild_exception(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+def _rebuild_exception(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
     """An instance of ``cls`` with these args and attributes, built without its constructor
     (whose signature need not match ``args``)."""
     exc = cls.__new__(cls, *args)

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from lorafleet.bundle.bundle import AdapterBundle, peft_config_dict
-from lorafleet.errors import rebuild_exception
+from lorafleet.errors import _rebuild_exception
 
 __all__ = ["gather_adapter", "is_distributed", "publish"]
 
@@ -545,7 +545,7 @@ def _restore_exception(
             cls = getattr(cls, part)
         if not (isinstance(cls, type) and issubclass(cls, BaseException)):
             raise TypeError(qualname)
-        exc = rebuild_exception(cls, args, state)
+        exc = _rebuild_exception(cls, args, state)
         str(exc)  # a __str__ that needs a missing attribute fails here, not in the caller
     except Exception:
         exc = RuntimeError(f"rank {rank} failed: {qualname}: {text}")
