@@ -173,7 +173,11 @@ def _put(url: str, uid: str, name: str, data: bytes, **headers: str) -> httpx.Re
 
 
 def _staged(front: SkyRLFront) -> list[Path]:
-    return [p for p in (front.uploads / "skyrl-uploads").rglob("*") if p.is_file()]
+    while True:
+        try:
+            return [p for p in (front.uploads / "skyrl-uploads").rglob("*") if p.is_file()]
+        except FileNotFoundError:  # the front's reaper removed a folder under the walk: again
+            continue
 
 
 def _upload(front: SkyRLFront, adapter: Path, uid: str) -> None:
