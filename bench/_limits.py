@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.protocol.manifest import FileEntry, Manifest
 
 CHUNK = 1 << 20
 MiB = 1 << 20

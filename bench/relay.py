@@ -62,10 +62,10 @@ from typing import Any
 import psutil
 
 from _limits import make_adapters, make_file, manifest_for, med, write_fsync_rate
-from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.agent.spec import AgentSpec
 from lorafleet.bundle import AdapterBundle
-from lorafleet.bundle.manifest import FileEntry
-from lorafleet.launch import AgentSpec, Launcher, Server
+from lorafleet.clients.agent import AsyncAgentClient
+from lorafleet.launch import Launcher, Server
 from lorafleet.protocol.agent import (
     ForwardPlan,
     ForwardTarget,
@@ -73,6 +73,7 @@ from lorafleet.protocol.agent import (
     UploadSession,
     credential_digest,
 )
+from lorafleet.protocol.manifest import FileEntry
 from lorafleet.testing import netbed
 
 MiB = 1 << 20

@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 
 from _limits import make_file, manifest_for, sha256_rate, write_fsync_rate
-from lorafleet.agent.client import AsyncAgentClient
-from lorafleet.bundle.manifest import FileEntry
-from lorafleet.launch import AgentSpec, Launcher, ManagedProcess
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.clients.agent import AsyncAgentClient
+from lorafleet.launch import Launcher, ManagedProcess
+from lorafleet.protocol.manifest import FileEntry
 
 CHUNK = 1 << 20
 MiB = 1 << 20

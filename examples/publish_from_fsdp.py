@@ -13,7 +13,7 @@ sharded throughout.
 
 With a fleet started by ``lorafleet up``, build the Publisher on rank 0 from its fleet file::
 
-    from lorafleet.fleet.state import read_fleet_file
+    from lorafleet.fleetfile import read_fleet_file
     info = read_fleet_file(".lorafleet")
     publisher = Publisher(agents=info.agent_urls, router=info.router_url, token=info.control_token)
 """

@@ -9,7 +9,7 @@ a router), a PEFT LoRA on the tiny model, a tiny dataset that teaches one answer
 
 To publish to a fleet started with ``lorafleet up``, read its fleet file instead of starting one::
 
-    from lorafleet.fleet.state import read_fleet_file
+    from lorafleet.fleetfile import read_fleet_file
     info = read_fleet_file(".lorafleet")
     publisher = Publisher(agents=info.agent_urls, router=info.router_url, token=info.control_token)
 """

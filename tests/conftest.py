@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.launch import Launcher, ReferenceEngineSpec, Server, SGLangSpec, VLLMSpec
+from lorafleet.engine.spec import ReferenceEngineSpec
+from lorafleet.launch import Launcher, Server, SGLangSpec, VLLMSpec
 from lorafleet.testing import start_reference_engine, start_sglang, start_vllm
 from tests.fleets import FleetFactory
 

@@ -15,7 +15,10 @@ from typing import Any
 
 import httpx
 
-from lorafleet.launch import AgentSpec, Launcher, ReferenceEngineSpec, RouterSpec, Server
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.engine.spec import ReferenceEngineSpec
+from lorafleet.launch import Launcher, Server
+from lorafleet.router.spec import RouterSpec
 from lorafleet.testing import start_agent, start_reference_engine, start_router
 
 

@@ -9,8 +9,10 @@ import httpx
 import pytest
 
 from lorafleet._dirlock import DirectoryLocked, lock_directory
+from lorafleet.agent.spec import AgentSpec
 from lorafleet.fleet import FleetConfig, LocalFleet
-from lorafleet.launch import AgentSpec, RouterSpec, lorafleet_argv
+from lorafleet.launch import lorafleet_argv
+from lorafleet.router.spec import RouterSpec
 
 NO_ENGINE = "http://127.0.0.1:9"
 

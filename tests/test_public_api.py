@@ -21,6 +21,7 @@ PACKAGES = [
     "lorafleet.bundle",
     "lorafleet.errors",
     "lorafleet.front",
+    "lorafleet.clients",
 ]
 
 

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from lorafleet._settings import argv_for
 from lorafleet.agent.cli import command as agent_command
 from lorafleet.agent.limits import UploadLimits
+from lorafleet.agent.spec import AgentSpec
 from lorafleet.fleet.config import FleetConfigError, load_fleet_config
-from lorafleet.launch.specs import AgentSpec
 
 
 def _help_defaults() -> str:
@@ -71,7 +71,8 @@ def test_each_launch_spec_field_reaches_its_setting_through_the_real_cli(tmp_pat
     parses what it writes into the field the spec means."""
     import socket
 
-    from lorafleet.launch import AgentSpec, RouterSpec
+    from lorafleet.agent.spec import AgentSpec
+    from lorafleet.router.spec import RouterSpec
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.launch import AgentSpec, ReferenceEngineSpec, Server
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.engine.spec import ReferenceEngineSpec
+from lorafleet.launch import Server
 from lorafleet.testing import start_agent, start_reference_engine
 
 

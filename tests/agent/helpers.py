@@ -7,7 +7,8 @@ import os
 import socket
 from pathlib import Path
 
-from lorafleet.launch import AgentSpec, Server
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.launch import Server
 from lorafleet.testing import greedy_completion
 
 

@@ -26,9 +26,9 @@ from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.state import StateDB
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadLimits, UploadManager
-from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import ServiceError
 from lorafleet.protocol.agent import AdapterState, EngineCapabilities
+from lorafleet.protocol.manifest import FileEntry, Manifest
 
 CFG = b'{"r": 8}'
 
@@ -223,7 +223,8 @@ def test_vllm_duplicate_load_of_same_path_is_success():
 
 
 def test_probe_retries_after_non_json_answer(tmp_path):
-    from lorafleet.agent.app import AgentConfig, Runtime
+    from lorafleet.agent.config import AgentConfig
+    from lorafleet.agent.runtime import Runtime
 
     calls = {"n": 0}
 
@@ -461,7 +462,8 @@ def test_register_pins_blobs_it_found_present(node, monkeypatch, tmp_path):
 
 
 def test_startup_sweeps_orphans(tmp_path):
-    from lorafleet.agent.app import AgentConfig, Runtime
+    from lorafleet.agent.config import AgentConfig
+    from lorafleet.agent.runtime import Runtime
 
     data = tmp_path / "d"
     store = Store(data)

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
+from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.errors import RemoteError
 from tests.agent.helpers import auth, completion, put_cut, snapshot
 

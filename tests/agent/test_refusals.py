@@ -10,7 +10,7 @@ import os
 import httpx
 import pytest
 
-from lorafleet.bundle.manifest import FileEntry, Manifest
+from lorafleet.protocol.manifest import FileEntry, Manifest
 from lorafleet.testing import wait_until
 from tests.agent.helpers import auth, put_cut, snapshot
 

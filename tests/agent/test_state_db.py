@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 
 from lorafleet.agent.state import WAL_BYTES, StateDB, StoredAdapter
-from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.protocol.agent import AdapterRecord, AdapterState
+from lorafleet.protocol.manifest import FileEntry, Manifest
 
 
 def _item(version: int, state: AdapterState) -> StoredAdapter:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from lorafleet.bundle import AdapterBundle, Manifest
-from lorafleet.bundle.manifest import PathError, check_file_path
 from lorafleet.errors import ManifestInvalid
+from lorafleet.protocol.manifest import PathError, check_file_path
 
 
 def test_from_dir_hashes_allow_listed_files(peft_dir):

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import click
 
-from lorafleet.launch import Launcher, RouterSpec, Server
+from lorafleet.launch import Launcher, Server
 from lorafleet.router import app as router_app
 from lorafleet.router import cli as router_cli
 from lorafleet.router.balancer import Replica
 from lorafleet.router.proxy import Proxy, Route
+from lorafleet.router.spec import RouterSpec
 from tests.doubles import module_argv, spawn_env
 
 __all__ = ["BrokenRouterSpec", "ResolveAtForwardProxy", "command", "start_broken_router"]

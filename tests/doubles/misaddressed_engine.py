@@ -15,7 +15,8 @@ from pathlib import Path
 from lorafleet.engine import _vllm_admin
 from lorafleet.engine import app as engine_app
 from lorafleet.engine import cli as engine_cli
-from lorafleet.launch import Launcher, ReferenceEngineSpec, Server
+from lorafleet.engine.spec import ReferenceEngineSpec
+from lorafleet.launch import Launcher, Server
 from tests.doubles import module_argv, spawn_env
 
 __all__ = ["MisaddressedEngineSpec", "start_misaddressed_engine"]

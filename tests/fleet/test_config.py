@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet.fleet.config import FleetConfig, FleetConfigError, load_fleet_config
-from lorafleet.fleet.state import (
+from lorafleet.fleetfile import (
     FleetInfo,
     FleetNotFound,
     ReplicaInfo,

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet.fleet.state import FleetInfo, pid_alive, read_fleet_file
+from lorafleet.fleetfile import FleetInfo, pid_alive, read_fleet_file
 from lorafleet.launch import ManagedProcess, lorafleet_argv
 from lorafleet.testing import make_peft_adapter
 

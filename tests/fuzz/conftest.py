@@ -17,8 +17,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from lorafleet.launch import AgentSpec, Launcher, RouterSpec, Server
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.launch import Launcher, Server
 from lorafleet.launch.listen import bind_listener
+from lorafleet.router.spec import RouterSpec
 from lorafleet.testing import start_agent, start_router
 
 TOKEN = "fuzz-control-token"

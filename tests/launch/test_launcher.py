@@ -10,15 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet.launch import (
-    AgentSpec,
-    Launcher,
-    PortServerSpec,
-    ProcessExited,
-    RouterSpec,
-    bind_listener,
-)
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.launch import Launcher, PortServerSpec, ProcessExited, bind_listener
 from lorafleet.launch import listen as listen_mod
+from lorafleet.router.spec import RouterSpec
 
 # An agent needs no engine to start: it answers /health with 503 until it reaches one.
 NO_ENGINE = "http://127.0.0.1:9"

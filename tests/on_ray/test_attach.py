@@ -22,7 +22,7 @@ def trainer_engines(ray_cluster, ray_workdir):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from lorafleet.launch import ReferenceEngineSpec
+    from lorafleet.engine.spec import ReferenceEngineSpec
     from lorafleet.ray._actors import ServerActor
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])[-2:]

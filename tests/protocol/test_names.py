@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from lorafleet.bundle.manifest import Manifest
 from lorafleet.errors import InvalidName, InvalidRequest, ManifestInvalid
+from lorafleet.protocol.manifest import Manifest
 from lorafleet.protocol.names import (
     MAX_VERSION,
     check_engine_name,

@@ -328,7 +328,7 @@ def test_rollback_leaves_another_publishers_version_alone(launcher, make_fleet, 
     leftover looks exactly like it; see test_heal_after_a_crash.py)."""
     import asyncio
 
-    from lorafleet.agent.client import AsyncAgentClient
+    from lorafleet.clients.agent import AsyncAgentClient
 
     fleet = make_fleet(launcher, 1)
     theirs = AdapterBundle.from_dir(adapters["b"], name="policy", version=2)

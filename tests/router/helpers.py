@@ -8,7 +8,9 @@ from pathlib import Path
 import httpx
 from aiohttp import web
 
-from lorafleet.launch import AgentSpec, RouterSpec, Server
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.launch import Server
+from lorafleet.router.spec import RouterSpec
 from lorafleet.testing import wait_until
 
 
@@ -33,8 +35,8 @@ def wait_healthy(router: Server[RouterSpec], n: int, timeout: float = 30.0) -> l
 
 async def install(agent: Server[AgentSpec], peft_dir: Path, name: str, version: int) -> str:
     """Upload + commit + load ``name`` v``version`` on one agent; the engine-side name."""
-    from lorafleet.agent.client import AsyncAgentClient
     from lorafleet.bundle.bundle import AdapterBundle
+    from lorafleet.clients.agent import AsyncAgentClient
 
     bundle = AdapterBundle.from_dir(peft_dir, name=name, version=version)
     async with AsyncAgentClient(agent.url, agent.spec.token) as c:

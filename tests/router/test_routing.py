@@ -13,8 +13,8 @@ import threading
 import httpx
 import pytest
 
+from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.errors import RemoteError
-from lorafleet.router.client import AsyncRouterClient
 from lorafleet.testing import wait_until
 from tests.router.helpers import ctl, install_sync, set_alias, wait_healthy
 

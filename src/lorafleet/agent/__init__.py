@@ -1,8 +1,6 @@
 """The agent: one per engine. Verified streaming uploads, a content-addressed adapter store,
-engine loading through the engine's runtime API, and reconciliation after engine restarts."""
+engine loading through the engine's runtime API, and reconciliation after engine restarts.
 
-from __future__ import annotations
+Its client is ``lorafleet.clients.AsyncAgentClient``."""
 
-from lorafleet.agent.client import AsyncAgentClient
-
-__all__ = ["AsyncAgentClient"]
+__all__: list[str] = []

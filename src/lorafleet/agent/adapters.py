@@ -38,7 +38,6 @@ from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadManager
 from lorafleet.bundle import config_rank, validate_adapter_dir
 from lorafleet.bundle.delta import lora_delta_bound
-from lorafleet.bundle.manifest import ADAPTER_CONFIG, Manifest
 from lorafleet.engine_kinds import engine_kind
 from lorafleet.errors import (
     AdapterConflict,
@@ -62,6 +61,7 @@ from lorafleet.protocol.agent import (
     UploadSession,
     engine_name,
 )
+from lorafleet.protocol.manifest import ADAPTER_CONFIG, Manifest
 
 __all__ = ["AdapterService"]
 

@@ -37,7 +37,7 @@ def _options_for(engine: str, given: dict[str, bool]) -> dict[str, bool]:
 
 
 def _agent_config_options(f):
-    from lorafleet.agent.app import AgentConfig
+    from lorafleet.agent.config import AgentConfig
 
     return click_options(AgentConfig)(f)
 

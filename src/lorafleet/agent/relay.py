@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Sequence
 import httpx
 
 from lorafleet._http import bearer, error_code, error_message
-from lorafleet.bundle.manifest import FileEntry
 from lorafleet.protocol.agent import (
     REPR_DIGEST_HEADER,
     UPLOAD_OFFSET_HEADER,
@@ -28,6 +27,7 @@ from lorafleet.protocol.agent import (
     file_url,
     repr_digest,
 )
+from lorafleet.protocol.manifest import FileEntry
 
 __all__ = ["MAX_BUFFER", "Tee", "send_file"]
 

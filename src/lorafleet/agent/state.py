@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from lorafleet.bundle.manifest import Manifest
 from lorafleet.protocol.agent import AdapterRecord, AdapterState
+from lorafleet.protocol.manifest import Manifest
 
 __all__ = ["StateDB", "StoredAdapter"]
 

@@ -40,7 +40,6 @@ from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.relay import Tee
 from lorafleet.agent.store import Store, free_bytes
-from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import (
     DigestMismatch,
     FileTooLarge,
@@ -68,6 +67,7 @@ from lorafleet.protocol.agent import (
     credential_digest,
 )
 from lorafleet.protocol.digests import parse_sha256_digest
+from lorafleet.protocol.manifest import FileEntry, Manifest
 
 __all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
 

@@ -1,19 +1,19 @@
 """Adapter bundles: manifests, building, hashing and validation."""
 
 from lorafleet.bundle.bundle import AdapterBundle, normalize_lora_keys, peft_config_dict
-from lorafleet.bundle.manifest import (
+from lorafleet.bundle.validate import (
+    ValidationReport,
+    check_adapter,
+    config_rank,
+    validate_adapter_dir,
+)
+from lorafleet.protocol.manifest import (
     ADAPTER_CONFIG,
     ALLOWED_FILES,
     FileEntry,
     Manifest,
     PathError,
     check_file_path,
-)
-from lorafleet.bundle.validate import (
-    ValidationReport,
-    check_adapter,
-    config_rank,
-    validate_adapter_dir,
 )
 
 __all__ = [

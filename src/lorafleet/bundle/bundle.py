@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lorafleet.bundle.hashing import sha256_bytes, sha256_file
-from lorafleet.bundle.manifest import ADAPTER_CONFIG, FileEntry, Manifest
 from lorafleet.bundle.validate import (
     BIN,
     SAFETENSORS,
@@ -27,6 +26,7 @@ from lorafleet.bundle.validate import (
     validate_adapter_dir,
 )
 from lorafleet.errors import ManifestInvalid
+from lorafleet.protocol.manifest import ADAPTER_CONFIG, FileEntry, Manifest
 from lorafleet.rules import EngineKind
 
 __all__ = ["AdapterBundle", "normalize_lora_keys", "peft_config_dict"]

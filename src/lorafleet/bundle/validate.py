@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorafleet.bundle.manifest import ADAPTER_CONFIG
 from lorafleet.errors import AdapterInvalid
+from lorafleet.protocol.manifest import ADAPTER_CONFIG
 from lorafleet.rules import AdapterFacts, EngineKind, EngineLimits, declared_rank, rulebook
 
 __all__ = [

@@ -16,12 +16,40 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Protocol, get_args
 
-if TYPE_CHECKING:
-    from lorafleet.agent.backends.base import EngineBackend
-    from lorafleet.launch.specs import ServerSpec
-    from lorafleet.rules._core import Rulebook
+from lorafleet.protocol.agent import EngineKind
+
+
+class EngineBackend(Protocol):
+    """What ``make_backend`` returns (``lorafleet.agent.backends.base.EngineBackend``): the
+    agent's driver for one engine through its runtime LoRA API."""
+
+    kind: str
+    url: str
+
+    async def probe(self) -> Any: ...
+    async def list_adapters(self) -> dict[str, str]: ...
+    async def load(self, name: str, path: str, *, replace: bool = False) -> None: ...
+    async def unload(self, name: str) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class Rulebook(Protocol):
+    """What ``rulebook()`` returns (``lorafleet.rules.Rulebook``)."""
+
+    kind: str
+
+    def check(self, facts: Any, limits: Any = None) -> list[Any]: ...
+
+
+class ServerSpec(Protocol):
+    """What ``spec_class()`` builds (a ``lorafleet.launch`` spec): where a server listens."""
+
+    host: str
+    port: int
+    name: str
+
 
 __all__ = [
     "ENGINE_KINDS",
@@ -32,8 +60,6 @@ __all__ = [
     "engine_kind",
     "model_field",
 ]
-
-EngineKind = Literal["vllm", "sglang", "reference"]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,6 @@ KIND = EngineKindInfo(
     title="lorafleet's reference engine",
     backend="lorafleet.agent.backends.reference:ReferenceBackend",
     rules="lorafleet.rules.reference:REFERENCE",
-    launch_spec="lorafleet.launch.specs:ReferenceEngineSpec",
+    launch_spec="lorafleet.engine.spec:ReferenceEngineSpec",
     embedded=True,
 )

@@ -5,7 +5,7 @@ Torch-free: the demo's trainer lives in ``lorafleet.fleet.skill`` and imports to
 
 from lorafleet.fleet.config import FleetConfig, FleetConfigError, ReplicaConfig, load_fleet_config
 from lorafleet.fleet.local import LocalFleet
-from lorafleet.fleet.state import FleetInfo, FleetNotFound, ReplicaInfo, read_fleet_file
+from lorafleet.fleetfile import FleetInfo, FleetNotFound, ReplicaInfo, read_fleet_file
 
 __all__ = [
     "FleetConfig",

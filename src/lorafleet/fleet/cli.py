@@ -5,6 +5,7 @@ Torch-free at import: the demo's trainer is imported only when the demo runs.
 
 from __future__ import annotations
 
+import importlib
 import json
 import signal
 import sys
@@ -20,19 +21,17 @@ from lorafleet.fleet.config import DEFAULT_DATA_DIR
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from lorafleet.fleet.config import FleetConfig
     from lorafleet.fleet.local import LocalFleet
-    from lorafleet.ray import RayFleet
 
 __all__ = ["demo_command", "status_command", "up_command"]
 
 
-class _Stop(Exception):
+class Stopped(Exception):
     """SIGINT or SIGTERM arrived: shut the fleet down."""
 
 
-def _raise_stop(signum: int, _frame: FrameType | None) -> None:
-    raise _Stop(signal.Signals(signum).name)
+def raise_stopped(signum: int, _frame: FrameType | None) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 @click.command("up")
@@ -95,20 +94,26 @@ def up_command(
 
     console = Console()
     if on_ray:
-        _up_on_ray(console, config, address, namespace)
+        # Ray sits above the local fleet (it reuses its fleet file and status): it is named
+        # by a string resolved here, not imported.
+        try:
+            ray_cli = importlib.import_module("lorafleet.ray.cli")
+        except ImportError as exc:
+            raise click.ClickException("--ray needs Ray: pip install 'lorafleet[ray]'") from exc
+        ray_cli.up_on_ray(console, config, address, namespace)
         return
     if address is not None:
         raise click.UsageError("--address needs --ray")
     fleet = LocalFleet(config, on_event=lambda m: console.print(f"[dim]{m}[/dim]"))
     # Ctrl-C and SIGTERM both unwind through the same path; children run in their own sessions,
     # so only this process receives the terminal's SIGINT and it stops them in order.
-    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, raise_stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         fleet.start()
         path = fleet.write_fleet_file()
         _print_banner(console, fleet, path)
         _supervise(console, fleet)
-    except _Stop as stop:
+    except Stopped as stop:
         console.print(f"\n{stop}: stopping the fleet…")
     except DirectoryLocked as exc:  # another fleet runs from this data dir; nothing started
         raise click.ClickException(str(exc)) from exc
@@ -122,90 +127,6 @@ def up_command(
         for s, handler in previous.items():
             signal.signal(s, handler)
     console.print("fleet stopped")
-
-
-def _up_on_ray(console: Console, config: FleetConfig, address: str | None, namespace: str) -> None:
-    """``lorafleet up --ray``: deploy, write fleet.json, wait for Ctrl-C, shut the fleet down."""
-    import os
-
-    try:
-        import ray
-
-        from lorafleet.ray import deploy
-    except ImportError as exc:
-        raise click.ClickException("--ray needs Ray: pip install 'lorafleet[ray]'") from exc
-    if any(not r.managed_engine for r in config.replicas):
-        raise click.UsageError(
-            "--ray starts reference engines; attach agents to running engines on Ray with "
-            "lorafleet.ray.attach_engines"
-        )
-    first = config.replicas[0]
-    ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
-    console.print(f"[dim]deploying {len(config.replicas)} replicas on Ray ({namespace})[/dim]")
-    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    fleet = None
-    data_dir = Path(config.data_dir).absolute()
-    try:
-        fleet = deploy(
-            len(config.replicas),
-            model=config.model,
-            engine_args={
-                "served_model_name": config.served_model_name,
-                "max_loras": first.max_loras,
-                "max_lora_rank": first.max_lora_rank,
-            },
-            namespace=namespace,
-            token=config.control_token,
-            api_key=config.api_key,
-        )
-        path = fleet.write_fleet_file(data_dir, pid=os.getpid())
-        _print_ray_banner(console, fleet, path)
-        seen = (fleet.router_url, fleet.agent_urls)
-        while True:
-            time.sleep(5.0)  # the signal handler raises _Stop out of here
-            # A replica re-placed after a node loss answers elsewhere: keep fleet.json true.
-            if (fleet.refresh().router_url, fleet.agent_urls) != seen:
-                seen = (fleet.router_url, fleet.agent_urls)
-                fleet.write_fleet_file(data_dir, pid=os.getpid())
-                console.print(f"[yellow]a replica moved: agents {', '.join(seen[1])}[/yellow]")
-    except _Stop as stop:
-        console.print(f"\n{stop}: stopping the fleet…")
-    except (RuntimeError, TimeoutError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    finally:
-        for s in previous:
-            signal.signal(s, signal.SIG_IGN)
-        if fleet is not None:
-            fleet.shutdown()
-            from lorafleet.fleet.state import remove_fleet_file
-
-            remove_fleet_file(data_dir, owner_pid=os.getpid())
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    console.print("fleet stopped")
-
-
-def _print_ray_banner(console: Console, fleet: RayFleet, path: Path) -> None:
-    from rich.table import Table
-
-    t = Table(title="lorafleet is up on Ray", show_header=False, title_justify="left")
-    t.add_column("what", style="bold")
-    t.add_column("value")
-    t.add_row("router (OpenAI API)", fleet.router_url + "/v1")
-    t.add_row("inference API key", fleet.api_key or "(none)")
-    t.add_row("control token", fleet.token)
-    for r in fleet.replicas:
-        t.add_row(
-            f"replica {r.index}",
-            f"agent {r.agent_url}  →  engine {r.engine_url}  (node {r.node_id[:12]})",
-        )
-    t.add_row("namespace", f"{fleet.namespace} (lorafleet.ray.attach finds it)")
-    t.add_row("fleet file", f"{path} (0600)")
-    console.print(t)
-    console.print(
-        f"publish with [bold]lorafleet publish --fleet {path.parent} ...[/bold]; inspect with "
-        f"[bold]lorafleet status --data-dir {path.parent}[/bold]; Ctrl-C stops everything."
-    )
 
 
 def _print_banner(console: Console, fleet: LocalFleet, path: Path) -> None:
@@ -233,7 +154,7 @@ def _supervise(console: Console, fleet: LocalFleet) -> None:
     """Wait for a signal; report (once) any fleet process that dies on its own."""
     reported: set[str] = set()
     while True:
-        time.sleep(1.0)  # the signal handler raises _Stop out of here
+        time.sleep(1.0)  # the signal handler raises Stopped out of here
         for name in fleet.dead():
             if name not in reported:
                 reported.add(name)
@@ -253,8 +174,8 @@ def status_command(data_dir: str, as_json: bool) -> None:
     """Show a running fleet: replicas, health, adapters, active versions, in-flight requests."""
     from rich.console import Console
 
-    from lorafleet.fleet.state import FleetNotFound, read_fleet_file
     from lorafleet.fleet.status import collect_status, render_status
+    from lorafleet.fleetfile import FleetNotFound, read_fleet_file
 
     try:
         info = read_fleet_file(data_dir)

@@ -25,21 +25,17 @@ from pathlib import Path
 from filelock import BaseFileLock
 
 from lorafleet._dirlock import lock_directory
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.engine.spec import ReferenceEngineSpec
 from lorafleet.fleet.config import FleetConfig, ReplicaConfig
-from lorafleet.fleet.state import (
+from lorafleet.fleetfile import (
     FleetInfo,
     ReplicaInfo,
     remove_fleet_file,
     write_fleet_file,
 )
-from lorafleet.launch import (
-    AgentSpec,
-    Launcher,
-    ManagedProcess,
-    ReferenceEngineSpec,
-    RouterSpec,
-    Server,
-)
+from lorafleet.launch import Launcher, ManagedProcess, Server
+from lorafleet.router.spec import RouterSpec
 
 __all__ = ["LocalFleet"]
 

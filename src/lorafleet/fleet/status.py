@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from lorafleet.fleet.state import FleetInfo, pid_alive
+from lorafleet.fleetfile import FleetInfo, pid_alive
 
 __all__ = ["FleetStatus", "ReplicaView", "collect_status", "render_status"]
 

@@ -23,7 +23,8 @@ import httpx
 from lorafleet._http import async_client
 from lorafleet._service import check_token
 from lorafleet._settings import setting
-from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.clients.agent import AsyncAgentClient
+from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.errors import (
     AdapterNotFound,
     BundleError,
@@ -44,7 +45,6 @@ from lorafleet.protocol.agent import AgentInfo
 from lorafleet.protocol.router import AliasEntry
 from lorafleet.publisher import AsyncPublisher, PublishResult
 from lorafleet.publisher.cli import MinReplicas
-from lorafleet.router.client import AsyncRouterClient
 
 __all__ = ["Front", "FrontConfig", "Network"]
 

@@ -30,8 +30,8 @@ from lorafleet._settings import setting
 from lorafleet.agent.metrics import Metrics
 from lorafleet.agent.store import Store
 from lorafleet.agent.uploads import UploadLimits, UploadManager
-from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import FileTooLarge, InvalidRequest, QuotaExceeded, ServiceError
+from lorafleet.protocol.manifest import FileEntry, Manifest
 from lorafleet.protocol.skyrl import (
     CONFIG_FILENAME,
     UPLOAD_FILENAMES,

@@ -6,7 +6,9 @@ cannot take a socket (real vLLM, SGLang) gets a reserved port and is retried on 
 port was taken first. Every process runs in its own session, logs to a file and is stopped with
 its whole process group::
 
-    from lorafleet.launch import AgentSpec, Launcher, ReferenceEngineSpec
+    from lorafleet.agent.spec import AgentSpec
+    from lorafleet.engine.spec import ReferenceEngineSpec
+    from lorafleet.launch import Launcher
 
     with Launcher("logs") as launcher:
         engine = launcher.start(ReferenceEngineSpec(model=model_dir))
@@ -23,10 +25,7 @@ from lorafleet.launch.launcher import Launcher, Server
 from lorafleet.launch.listen import bind_listener, reserve_port
 from lorafleet.launch.process import ManagedProcess, ProcessExited, lorafleet_argv
 from lorafleet.launch.specs import (
-    AgentSpec,
     PortServerSpec,
-    ReferenceEngineSpec,
-    RouterSpec,
     ServerSpec,
     SGLangSpec,
     SocketServerSpec,
@@ -34,13 +33,10 @@ from lorafleet.launch.specs import (
 )
 
 __all__ = [
-    "AgentSpec",
     "Launcher",
     "ManagedProcess",
     "PortServerSpec",
     "ProcessExited",
-    "ReferenceEngineSpec",
-    "RouterSpec",
     "SGLangSpec",
     "Server",
     "ServerSpec",

@@ -3,7 +3,9 @@
 Two kinds, by how a server gets its address:
 
 - ``SocketServerSpec``: the server serves on a listening socket the launcher binds and passes
-  (``lorafleet engine|agent|router --fd N``). Nothing can take the port in between.
+  (``lorafleet engine|agent|router --fd N``). Nothing can take the port in between. lorafleet's
+  own servers' specs live beside them (``agent/spec.py``, ``router/spec.py``,
+  ``engine/spec.py``); the engines lorafleet does not own (vLLM, SGLang) are here.
 - ``PortServerSpec``: the server binds a port itself (real vLLM, real SGLang). The launcher
   reserves a free port, and starts the server again on a new one if it dies with "address
   already in use".
@@ -19,16 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafleet._settings import argv_for, flags
-from lorafleet.agent.limits import UploadLimits
-from lorafleet.engine_kinds import EngineKind
-from lorafleet.launch.process import lorafleet_argv
-
 __all__ = [
-    "AgentSpec",
     "PortServerSpec",
-    "ReferenceEngineSpec",
-    "RouterSpec",
     "SGLangSpec",
     "ServerSpec",
     "SocketServerSpec",
@@ -77,115 +71,6 @@ class PortServerSpec(ServerSpec, ABC):
     @abstractmethod
     def argv(self, port: int) -> list[str]:
         """The command line that listens on ``host:port``."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReferenceEngineSpec(SocketServerSpec):
-    """``lorafleet engine``: the CPU reference engine (needs the ``engine`` extra)."""
-
-    model: Path
-    served_model_name: str = "tiny"
-    max_loras: int = 8
-    max_lora_rank: int = 64
-    api_key: str | None = None
-    dialect: str = "vllm"
-    """vllm (vLLM's API, SGLang's routes beside it) or sglang (as real SGLang 0.5.23)."""
-    extra: tuple[str, ...] = ()
-    name: str = "engine"
-    ready_timeout: float = 120.0  # torch + transformers import on a busy 2-core box
-
-    def argv(self, fd: int) -> list[str]:
-        return lorafleet_argv(
-            "engine",
-            "--model", str(self.model),
-            "--served-model-name", self.served_model_name,
-            "--fd", str(fd),
-            "--max-loras", str(self.max_loras),
-            "--max-lora-rank", str(self.max_lora_rank),
-            "--dialect", self.dialect,
-            *self.extra,
-        )  # fmt: skip
-
-    def environ(self) -> dict[str, str]:
-        # Always set, so a key in the launcher's own environment never leaks into the engine.
-        return {"LORAFLEET_ENGINE_API_KEY": self.api_key or "", **self.env}
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentSpec(SocketServerSpec):
-    """``lorafleet agent`` in front of one engine."""
-
-    engine_url: str
-    data_dir: Path
-    engine: EngineKind = "reference"
-    token: str | None = None
-    """Control token; None lets the agent generate one (printed to its log)."""
-    replica_id: str | None = None
-    """None: the agent's host:port."""
-    max_lora_rank: int | None = None
-    shared_fs_allow: tuple[Path, ...] = ()
-    limits: UploadLimits = field(default_factory=UploadLimits)
-    """Written as flags when they differ from the agent's defaults."""
-    extra: tuple[str, ...] = ()
-    name: str = "agent"
-
-    def argv(self, fd: int) -> list[str]:
-        argv = lorafleet_argv(
-            "agent",
-            "--engine", self.engine,
-            "--engine-url", self.engine_url,
-            "--data-dir", str(self.data_dir),
-            "--fd", str(fd),
-        )  # fmt: skip
-        from lorafleet.agent.app import AgentConfig
-
-        if self.replica_id is not None:
-            argv += ["--replica-id", self.replica_id]
-        argv += flags(
-            AgentConfig,
-            max_lora_rank=self.max_lora_rank,
-            shared_fs_allow=[str(p) for p in self.shared_fs_allow],
-        )
-        return argv + argv_for(self.limits) + list(self.extra)
-
-    def environ(self) -> dict[str, str]:
-        return {"LORAFLEET_CONTROL_TOKEN": self.token or "", **self.env}
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterSpec(SocketServerSpec):
-    """``lorafleet router`` over a set of agents."""
-
-    agents: tuple[str, ...]
-    token: str | None = None
-    """Control token for /v1/control/*; None: no token."""
-    api_key: str | None = None
-    """Inference key for the data plane; None: open."""
-    agent_token: str | None = None
-    """Token to call the agents with; None: the control token."""
-    state_dir: Path | None = None
-    health_interval: float | None = None
-    extra: tuple[str, ...] = ()
-    name: str = "router"
-
-    def argv(self, fd: int) -> list[str]:
-        argv = lorafleet_argv("router", "--agents", ",".join(self.agents), "--fd", str(fd))
-        if self.state_dir is not None:
-            argv += ["--state-dir", str(self.state_dir)]
-        if self.health_interval is not None:
-            from lorafleet.router.app import RouterConfig
-
-            argv += flags(RouterConfig, health_interval_s=self.health_interval)
-        if self.agent_token is not None:
-            argv += ["--agent-token", self.agent_token]
-        return argv + list(self.extra)
-
-    def environ(self) -> dict[str, str]:
-        return {
-            "LORAFLEET_CONTROL_TOKEN": self.token or "",
-            "LORAFLEET_API_KEY": self.api_key or "",
-            **self.env,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,9 +53,8 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lorafleet.bundle.manifest import FileEntry, Manifest
-from lorafleet.engine_kinds import EngineKind
 from lorafleet.errors import InvalidRequest
+from lorafleet.protocol.manifest import FileEntry, Manifest
 from lorafleet.protocol.names import AdapterName, Version
 
 __all__ = [
@@ -70,6 +69,7 @@ __all__ = [
     "AgentInfo",
     "Application",
     "EngineCapabilities",
+    "EngineKind",
     "FileEntry",
     "FileProgress",
     "ForwardPlan",
@@ -359,6 +359,10 @@ class AdapterRecord(_Model):
 
 class AdapterList(_Model):
     adapters: list[AdapterRecord]
+
+
+EngineKind = Literal["vllm", "sglang", "reference"]
+"""The engine kinds an agent can drive; each one's facts live in ``lorafleet.engine_kinds``."""
 
 
 class EngineCapabilities(_Model):

@@ -24,7 +24,6 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from lorafleet.bundle.manifest import FileEntry
 from lorafleet.errors import (
     LorafleetError,
     TransportError,
@@ -40,6 +39,7 @@ from lorafleet.protocol.agent import (
     credential_digest,
 )
 from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorCode
+from lorafleet.protocol.manifest import FileEntry
 from lorafleet.publisher._plan import Plan
 from lorafleet.publisher._replica import ReplicaTxn
 

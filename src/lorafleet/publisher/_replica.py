@@ -14,8 +14,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from lorafleet.agent.client import AsyncAgentClient
-from lorafleet.bundle.manifest import FileEntry
+from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.errors import EngineUnavailable, LorafleetError
 from lorafleet.protocol.agent import (
     AdapterState,
@@ -24,6 +23,7 @@ from lorafleet.protocol.agent import (
     RelayAccept,
     UploadSession,
 )
+from lorafleet.protocol.manifest import FileEntry
 from lorafleet.publisher._errors import is_not_found, reason
 from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher.result import ReplicaState, ReplicaTiming, Timeouts

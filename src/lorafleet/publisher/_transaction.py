@@ -24,6 +24,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.errors import LorafleetError, PublishError, RemoteError
 from lorafleet.protocol.router import LagState
 from lorafleet.publisher._errors import is_not_found, publish_error_class, reason
@@ -31,7 +32,6 @@ from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher._replica import Agent, ReplicaTxn
 from lorafleet.publisher.carrier import Carrier
 from lorafleet.publisher.result import Lagging, PublishResult, ReplicaState, Timeouts
-from lorafleet.router.client import AsyncRouterClient
 
 __all__ = ["Publication", "lag_backoff", "to_the_end"]
 

@@ -18,7 +18,7 @@ def _targets(
 ) -> tuple[list[str], str | None, str | None]:
     if agents:
         return [a.strip() for a in agents.split(",") if a.strip()], router, token
-    from lorafleet.fleet.state import FleetNotFound, read_fleet_file
+    from lorafleet.fleetfile import FleetNotFound, read_fleet_file
 
     try:
         info = read_fleet_file(fleet_dir or DEFAULT_FLEET_DIR)

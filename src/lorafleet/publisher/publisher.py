@@ -34,8 +34,9 @@ import httpx
 from anyio.from_thread import start_blocking_portal
 
 from lorafleet._http import async_client
-from lorafleet.agent.client import AsyncAgentClient
 from lorafleet.bundle import AdapterBundle
+from lorafleet.clients.agent import AsyncAgentClient
+from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.errors import (
     LorafleetError,
     PublishError,
@@ -52,7 +53,6 @@ from lorafleet.publisher._replica import Agent
 from lorafleet.publisher._transaction import Publication, to_the_end
 from lorafleet.publisher.carrier import Carrier, relay
 from lorafleet.publisher.result import PublishResult, Timeouts
-from lorafleet.router.client import AsyncRouterClient
 
 __all__ = ["AsyncPublisher", "ProgressCallback", "Publisher"]
 

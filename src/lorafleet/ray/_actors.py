@@ -31,8 +31,9 @@ from typing import Any
 import ray
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from lorafleet.engine.spec import ReferenceEngineSpec
 from lorafleet.errors import InternalError, NotFound, TransportError, Unavailable
-from lorafleet.launch import Launcher, ReferenceEngineSpec, Server, ServerSpec
+from lorafleet.launch import Launcher, Server, ServerSpec
 from lorafleet.ray._record import find_record
 
 __all__ = ["Seat", "ServerActor"]
@@ -235,7 +236,7 @@ class ServerActor:
             log.exception("replica %s could not tell the fleet it moved", seat.replica)
 
     async def _move(self, router_url: str, was: str) -> None:
-        from lorafleet.router.client import AsyncRouterClient
+        from lorafleet.clients.router import AsyncRouterClient
 
         token = getattr(self.spec, "token", None)
         async with AsyncRouterClient(router_url, token) as router:

@@ -39,16 +39,14 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from lorafleet.agent.spec import AgentSpec
 from lorafleet.engine_kinds import ENGINE_KINDS, engine_kind
-from lorafleet.fleet.state import FleetInfo, ReplicaInfo, write_fleet_file
-from lorafleet.launch import (
-    AgentSpec,
-    RouterSpec,
-)
+from lorafleet.fleetfile import FleetInfo, ReplicaInfo, write_fleet_file
 from lorafleet.publisher import Publisher
 from lorafleet.ray._actors import Seat, ServerActor
 from lorafleet.ray._record import RECORD, FleetRecord, find_record
 from lorafleet.ray.transfer import ObjectStoreCarrier
+from lorafleet.router.spec import RouterSpec
 
 __all__ = ["EngineOnRay", "RayFleet", "attach", "attach_engines", "deploy"]
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import httpx
 
 from lorafleet._http import async_client
-from lorafleet.agent.client import AsyncAgentClient
+from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.errors import LorafleetError
 from lorafleet.protocol.agent import (
     AdapterRecord,

@@ -13,7 +13,7 @@ __all__ = ["command"]
 
 
 def _router_config_options(f):
-    from lorafleet.router.app import RouterConfig
+    from lorafleet.router.config import RouterConfig
 
     return click_options(RouterConfig)(f)
 

@@ -21,15 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lorafleet.launch import (
-    AgentSpec,
-    Launcher,
-    ReferenceEngineSpec,
-    RouterSpec,
-    Server,
-    SGLangSpec,
-    VLLMSpec,
-)
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.engine.spec import ReferenceEngineSpec
+from lorafleet.launch import Launcher, Server, SGLangSpec, VLLMSpec
+from lorafleet.router.spec import RouterSpec
 
 __all__ = [
     "ALL_LINEAR",

@@ -60,8 +60,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lorafleet.launch import AgentSpec, Launcher, ReferenceEngineSpec, RouterSpec, Server
+from lorafleet.agent.spec import AgentSpec
+from lorafleet.engine.spec import ReferenceEngineSpec
+from lorafleet.launch import Launcher, Server
 from lorafleet.launch.specs import ServerSpec
+from lorafleet.router.spec import RouterSpec
 
 __all__ = [
     "Host",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lorafleet.agent.app import Runtime
+    from lorafleet.agent.runtime import Runtime
 
 __all__ = ["AgentRoutes"]
 

@@ -24,7 +24,6 @@ from tenacity import (
 )
 
 from lorafleet._http import REPLAYABLE, async_client, bearer, map_transport_errors, raise_for_status
-from lorafleet.bundle.manifest import FileEntry, Manifest
 from lorafleet.errors import TransportError
 from lorafleet.protocol.agent import (
     REPR_DIGEST_HEADER,
@@ -51,6 +50,7 @@ from lorafleet.protocol.agent import (
     repr_digest,
     upload_url,
 )
+from lorafleet.protocol.manifest import FileEntry, Manifest
 
 __all__ = ["AsyncAgentClient"]
 

@@ -1,0 +1,44 @@
+"""``AgentConfig``: every agent setting, declared once (flags, specs and fleet-file keys derive)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import click
+
+from lorafleet._service import DEFAULT_JSON_LIMIT
+from lorafleet._settings import setting
+from lorafleet.agent.limits import UploadLimits
+from lorafleet.protocol.agent import EngineKind
+
+__all__ = ["AgentConfig"]
+
+
+@dataclass
+class AgentConfig:
+    engine: EngineKind
+    engine_url: str
+    data_dir: str
+    token: str | None
+    replica_id: str
+    served_model_name: str | None = setting(
+        None, flag="--served-model-name", help="Default: discovered from the engine."
+    )
+    limits: UploadLimits = field(default_factory=UploadLimits)
+    shared_fs_allow: list[str] = setting(
+        flag="--shared-fs-allow",
+        multiple=True,
+        type=click.Path(),
+        default_factory=list,
+        help="Directory /v1/adapters/register may read from (repeatable).",
+    )
+    max_lora_rank: int | None = setting(
+        None, flag="--max-lora-rank", type=int, help="Override the engine's limit."
+    )
+    max_adapters: int | None = setting(
+        None, flag="--max-adapters", type=int, help="Override the engine's limit."
+    )
+    engine_options: dict[str, bool] = field(default_factory=dict)
+    """The engine kind's own flags by key (``lorafleet.engine_kinds``: sglang_upsert)."""
+    reconcile_interval: float = 0.5
+    json_limit: int = DEFAULT_JSON_LIMIT

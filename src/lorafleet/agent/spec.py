@@ -1,0 +1,54 @@
+"""How ``lorafleet.launch`` starts an agent (``lorafleet agent``): its settings become flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet._settings import argv_for, flags
+from lorafleet.agent.config import AgentConfig
+from lorafleet.agent.limits import UploadLimits
+from lorafleet.launch.process import lorafleet_argv
+from lorafleet.launch.specs import SocketServerSpec
+from lorafleet.protocol.agent import EngineKind
+
+__all__ = ["AgentSpec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSpec(SocketServerSpec):
+    """``lorafleet agent`` in front of one engine."""
+
+    engine_url: str
+    data_dir: Path
+    engine: EngineKind = "reference"
+    token: str | None = None
+    """Control token; None lets the agent generate one (printed to its log)."""
+    replica_id: str | None = None
+    """None: the agent's host:port."""
+    max_lora_rank: int | None = None
+    shared_fs_allow: tuple[Path, ...] = ()
+    limits: UploadLimits = field(default_factory=UploadLimits)
+    """Written as flags when they differ from the agent's defaults."""
+    extra: tuple[str, ...] = ()
+    name: str = "agent"
+
+    def argv(self, fd: int) -> list[str]:
+        argv = lorafleet_argv(
+            "agent",
+            "--engine", self.engine,
+            "--engine-url", self.engine_url,
+            "--data-dir", str(self.data_dir),
+            "--fd", str(fd),
+        )  # fmt: skip
+        if self.replica_id is not None:
+            argv += ["--replica-id", self.replica_id]
+        argv += flags(
+            AgentConfig,
+            max_lora_rank=self.max_lora_rank,
+            shared_fs_allow=[str(p) for p in self.shared_fs_allow],
+        )
+        return argv + argv_for(self.limits) + list(self.extra)
+
+    def environ(self) -> dict[str, str]:
+        return {"LORAFLEET_CONTROL_TOKEN": self.token or "", **self.env}
