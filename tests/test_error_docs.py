@@ -139,10 +139,33 @@ def test_every_code_has_a_status_a_summary_and_a_class():
 
 
 def test_the_analysis_sees_a_raise():
-    """The reader is not vacuous: the proxy's resolve raises StaleVersion past max_staleness."""
-    from lorafleet.router.proxy import Proxy
+    """The reader is not vacuous: the pipeline's resolve raises StaleVersion past max_staleness."""
+    from lorafleet.dataplane.pipeline import Pipeline
 
-    assert StaleVersion in raised(Proxy.resolve)
+    assert StaleVersion in raised(Pipeline.resolve)
+
+
+def _data_plane_raises() -> set[type]:
+    """What the pipeline and every generation shape can raise. A shape reaches the pipeline
+    through its ``pipe`` argument, which the reader cannot follow: each side is read whole."""
+    from lorafleet.dataplane.pipeline import Pipeline
+    from lorafleet.dataplane.shapes import SHAPES
+
+    can = set()
+    for name, member in vars(Pipeline).items():
+        if inspect.isfunction(member) or name == "__call__":
+            can |= raised(member, Pipeline)
+    for shape in SHAPES:
+        cls = type(shape)
+        for klass in cls.__mro__:
+            for member in vars(klass).values():
+                if inspect.isfunction(member):
+                    can |= raised(member, cls)
+        module = inspect.getmodule(cls)
+        for member in vars(module).values():
+            if inspect.isfunction(member) and member.__module__ == module.__name__:
+                can |= raised(member)
+    return can
 
 
 def test_router_routes_document_what_they_raise():
@@ -172,10 +195,11 @@ def test_agent_routes_document_what_they_raise(tmp_path):
 
 @pytest.mark.parametrize("keyed", [False, True])
 def test_data_plane_documents_every_refusal_the_proxy_raises(keyed):
-    from lorafleet.router.app import HOT_PATHS, RouterConfig, create_app
-    from lorafleet.router.proxy import DATA_PLANE_ERRORS, Proxy
+    from lorafleet.dataplane.pipeline import DATA_PLANE_ERRORS
+    from lorafleet.dataplane.shapes import HOT_PATHS
+    from lorafleet.router.app import RouterConfig, create_app
 
-    can = raised(Proxy.__call__) - {InternalError}
+    can = _data_plane_raises() - {InternalError}
     assert StaleVersion in can
     assert can <= set(DATA_PLANE_ERRORS), can - set(DATA_PLANE_ERRORS)
     cfg = RouterConfig(agents=[], control_token=TOKEN, api_key="k" if keyed else None)

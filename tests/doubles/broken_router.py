@@ -15,40 +15,40 @@ from dataclasses import dataclass
 
 import click
 
+from lorafleet.dataplane import plane
+from lorafleet.dataplane.addressing import Route
+from lorafleet.dataplane.balancer import Replica
+from lorafleet.dataplane.pipeline import Pipeline
 from lorafleet.launch import Launcher, Server
-from lorafleet.router import app as router_app
 from lorafleet.router import cli as router_cli
-from lorafleet.router.balancer import Replica
-from lorafleet.router.proxy import Proxy, Route
 from lorafleet.router.spec import RouterSpec
 from tests.doubles import module_argv, spawn_env
 
-__all__ = ["BrokenRouterSpec", "ResolveAtForwardProxy", "command", "start_broken_router"]
+__all__ = ["BrokenRouterSpec", "ResolveAtForwardPipeline", "command", "start_broken_router"]
 
 
-class ResolveAtForwardProxy(Proxy):
+class ResolveAtForwardPipeline(Pipeline):
     """Forwards to the version active ``delay`` seconds after arrival (the bug)."""
 
     def __init__(self, *args, delay: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.delay = delay
 
-    async def _forward(self, scope, send, route: Route, path, req, raw, cands: list[Replica],
-                       session, **kw) -> int:  # fmt: skip
+    async def _forward(self, call, shape, doc, route: Route, cands: list[Replica], stream):
         if route.adapter is not None:
             await asyncio.sleep(self.delay)
-            entry = self.store.aliases.get(route.adapter)
+            entry = self.table.aliases.get(route.adapter)
             if entry is not None:
                 route = dataclasses.replace(
                     route, engine_name=entry.engine_name, replicas=entry.replicas
                 )
                 cands = self.balancer.candidates(entry.replicas) or cands
-        return await super()._forward(scope, send, route, path, req, raw, cands, session, **kw)
+        return await super()._forward(call, shape, doc, route, cands, stream)
 
 
 def _serve(resolve_at_forward: float, **options) -> None:
-    # The real router, its data plane swapped for the broken one: the runtime has no seam for it.
-    router_app.Proxy = functools.partial(ResolveAtForwardProxy, delay=resolve_at_forward)
+    # The real router, its pipeline swapped for the broken one: the runtime has no seam for it.
+    plane.Pipeline = functools.partial(ResolveAtForwardPipeline, delay=resolve_at_forward)
     router_cli.command.callback(**options)
 
 

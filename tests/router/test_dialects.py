@@ -16,10 +16,10 @@ import json
 import aiohttp
 from aiohttp import web
 
+from lorafleet.dataplane.balancer import Balancer
+from lorafleet.dataplane.metrics import RouterMetrics
+from lorafleet.dataplane.pipeline import Pipeline
 from lorafleet.engine_kinds import address, model_field
-from lorafleet.router.balancer import Balancer
-from lorafleet.router.metrics import RouterMetrics
-from lorafleet.router.proxy import Proxy
 from lorafleet.router.table import AliasStore
 from tests.router.helpers import serve_completions
 
@@ -53,7 +53,7 @@ class RecordingEngine:
         return await serve_completions(self.completions)
 
 
-async def _call(proxy: Proxy, body: dict) -> tuple[int, dict]:
+async def _call(proxy: Pipeline, body: dict) -> tuple[int, dict]:
     raw = json.dumps(body).encode()
     sent: list[dict] = []
 
@@ -85,7 +85,7 @@ async def two_replicas(vllm: RecordingEngine, sglang: RecordingEngine):
         store = AliasStore()
         store.set_alias("p", 1, "p@v1", ["vllm", "sglang"])
         async with aiohttp.ClientSession() as http:
-            yield Proxy(store, balancer, RouterMetrics(), http), store, balancer
+            yield Pipeline(store, balancer, RouterMetrics(), http), store, balancer
     finally:
         for runner in runners:
             await runner.cleanup()

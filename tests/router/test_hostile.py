@@ -3,7 +3,7 @@ over replicas it knows, leases an operator can break, and data-plane errors (pla
 stream) that never show engine-side names or a version tag.
 
 In process: the control plane through FastAPI's TestClient (no lifespan, replica ids set by hand),
-the data plane through ``Proxy`` against canned aiohttp engines.
+the data plane through ``Pipeline`` against canned aiohttp engines.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 from fastapi.testclient import TestClient
 
+from lorafleet.dataplane.balancer import Balancer
+from lorafleet.dataplane.metrics import RouterMetrics
+from lorafleet.dataplane.pipeline import Pipeline
 from lorafleet.router.app import RouterConfig, create_app
-from lorafleet.router.balancer import Balancer
-from lorafleet.router.metrics import RouterMetrics
-from lorafleet.router.proxy import Proxy
 from lorafleet.router.table import STATE_FILE, AliasStore
 from tests.router.helpers import serve_completions
 
@@ -233,7 +233,7 @@ class CannedEngine:
         return await serve_completions(self.completions)
 
 
-async def _call(proxy: Proxy, body: dict) -> tuple[int, dict[str, str], bytes]:
+async def _call(proxy: Pipeline, body: dict) -> tuple[int, dict[str, str], bytes]:
     raw = json.dumps(body).encode()
     sent: list[dict] = []
     got = False
@@ -271,7 +271,7 @@ def _scenario(check) -> None:
         store.set_alias("gone", 1, "gone@v1", ["r1"])
         try:
             async with aiohttp.ClientSession() as http:
-                proxy = Proxy(store, balancer, RouterMetrics(), http)
+                proxy = Pipeline(store, balancer, RouterMetrics(), http)
                 await check(lambda body: _call(proxy, body))
         finally:
             await runner.cleanup()

@@ -50,7 +50,7 @@ def test_a_moved_replica_is_polled_at_its_new_url_and_holds_nothing(router, tmp_
     _flip(router, "solo", 1, ["r1"])
     _flip(router, "other", 1, ["r0"])
     app = router.app_
-    app.balancer.sessions["s"] = app.balancer.replicas[1]
+    app.balancer.sessions.stick("s", app.balancer.replicas[1])
 
     r = router.put("/v1/control/replicas/r1", json={"agent_url": "http://127.0.0.1:11/"}, headers=H)
     assert r.status_code == 200, r.text
@@ -58,7 +58,7 @@ def test_a_moved_replica_is_polled_at_its_new_url_and_holds_nothing(router, tmp_
     assert got["replica_id"] == "r1" and got["agent_url"] == "http://127.0.0.1:11"
     assert got["healthy"] is False and got["engine_url"] is None  # relearned at the next poll
     moved = app.balancer.replicas[1]
-    assert moved.agent_url == "http://127.0.0.1:11" and "s" not in app.balancer.sessions
+    assert moved.agent_url == "http://127.0.0.1:11" and app.balancer.sessions.replica("s") is None
     assert _holders(router) == {
         ("a", 2): ["r0"],
         ("a", 1): ["r0"],
@@ -116,8 +116,8 @@ def test_a_probe_in_flight_when_the_replica_moves_counts_for_nothing(old_answer)
     import aiohttp
     from aiohttp import web
 
-    from lorafleet.router.balancer import Balancer
-    from lorafleet.router.health import HealthPoller
+    from lorafleet.dataplane.balancer import Balancer
+    from lorafleet.dataplane.health import HealthPoller
     from tests.router.helpers import serve_route
 
     async def scenario() -> None:
@@ -159,9 +159,9 @@ def test_a_request_in_flight_when_the_replica_moves_counts_no_failure_against_it
     import aiohttp
     from aiohttp import web
 
-    from lorafleet.router.balancer import Balancer
-    from lorafleet.router.metrics import RouterMetrics
-    from lorafleet.router.proxy import Proxy
+    from lorafleet.dataplane.balancer import Balancer
+    from lorafleet.dataplane.metrics import RouterMetrics
+    from lorafleet.dataplane.pipeline import Pipeline
     from tests.router.helpers import serve_completions
 
     async def scenario() -> None:
@@ -199,7 +199,7 @@ def test_a_request_in_flight_when_the_replica_moves_counts_no_failure_against_it
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
         try:
             async with aiohttp.ClientSession() as http:
-                proxy = Proxy(store, balancer, RouterMetrics(), http)
+                proxy = Pipeline(store, balancer, RouterMetrics(), http)
                 call = asyncio.create_task(proxy(scope, receive, send))
                 await asyncio.wait_for(asked.wait(), 10)
                 moved = balancer.replicas[0]

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from lorafleet._http import REPLAYABLE, async_client
-from lorafleet.router.balancer import Balancer
-from lorafleet.router.metrics import RouterMetrics
-from lorafleet.router.proxy import Proxy
+from lorafleet.dataplane.balancer import Balancer
+from lorafleet.dataplane.metrics import RouterMetrics
+from lorafleet.dataplane.pipeline import Pipeline
 from lorafleet.router.table import AliasStore
 from lorafleet.testing import start_agent, start_router
 from tests.router.helpers import ctl, install_sync, set_alias, wait_healthy
@@ -96,7 +96,7 @@ def test_httpx_clients_resend_once_on_a_connection_closed_under_them():
     asyncio.run(scenario())
 
 
-async def _proxy_call(proxy: Proxy, body: dict) -> tuple[int, dict]:
+async def _proxy_call(proxy: Pipeline, body: dict) -> tuple[int, dict]:
     """Drive the bare-ASGI proxy in-process; (status, JSON body)."""
     raw = json.dumps(body).encode()
     sent: list[dict] = []
@@ -131,7 +131,7 @@ def test_router_resends_on_a_fresh_connection_and_keeps_the_replica():
             rep = balancer.replicas[0]
             rep.replica_id, rep.engine_url, rep.healthy = "r0", url, True
             balancer.reindex()
-            proxy = Proxy(store, balancer, RouterMetrics(), pooled, fresh=fresh)
+            proxy = Pipeline(store, balancer, RouterMetrics(), pooled, fresh=fresh)
             # new connection, reused (dropped: resent fresh), new, reused (dropped: resent fresh)
             for _ in range(4):
                 status, body = await _proxy_call(proxy, {"model": "p", "prompt": "hi"})

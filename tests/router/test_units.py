@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from lorafleet.dataplane.balancer import Balancer
 from lorafleet.errors import ServiceError
 from lorafleet.protocol.router import AliasEvent
-from lorafleet.router.balancer import Balancer
 from lorafleet.router.table import STATE_FILE, AliasStore
 from lorafleet.testing.consistency import Observation, check, implied_version
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from lorafleet.dataplane.balancer import Balancer
+from lorafleet.dataplane.metrics import RouterMetrics
+from lorafleet.dataplane.pipeline import Pipeline
 from lorafleet.errors import StaleVersion, VersionNotRoutable
-from lorafleet.router.balancer import Balancer
-from lorafleet.router.metrics import RouterMetrics
-from lorafleet.router.proxy import Proxy
 from lorafleet.router.table import AliasStore
 
 
@@ -28,8 +28,8 @@ def test_window_keeps_the_newest_k_and_survives_a_restart(tmp_path):
     assert [v.version for v in store.aliases["p"].window()] == [6]
 
 
-def _proxy(store: AliasStore) -> Proxy:
-    return Proxy(store, Balancer([]), RouterMetrics(), session=None)  # type: ignore[arg-type]
+def _proxy(store: AliasStore) -> Pipeline:
+    return Pipeline(store, Balancer([]), RouterMetrics(), session=None)  # type: ignore[arg-type]
 
 
 def test_pins_address_exactly_one_version_of_the_window():
@@ -60,7 +60,7 @@ def test_sessions_keep_their_version_until_it_leaves_the_window():
     with pytest.raises(VersionNotRoutable, match="session 'episode-1'"):
         proxy.resolve("p", "episode-1")  # never silently switched to v3
     assert proxy.resolve("p", "episode-2").version == 2
-    proxy.balancer.forget_session("episode-1")  # /finish_session
+    proxy.balancer.sessions.forget("episode-1")  # /finish_session
     assert proxy.resolve("p", "episode-1").version == 3
 
 

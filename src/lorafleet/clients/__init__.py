@@ -8,4 +8,4 @@ never import each other.
 from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.clients.router import NO_CAS, AsyncRouterClient
 
-__all__ = ["AsyncAgentClient", "AsyncRouterClient", "NO_CAS"]
+__all__ = ["NO_CAS", "AsyncAgentClient", "AsyncRouterClient"]

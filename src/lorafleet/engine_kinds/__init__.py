@@ -98,6 +98,20 @@ class EngineKindInfo:
     """Whether an engine's error answer (status, body) to a generation request says it does
     not hold the adapter it was asked for (vLLM: 404). The router then tries a replica that
     does: the table can be a health poll behind an engine that restarted empty."""
+    native_routes: frozenset[str] = frozenset()
+    """Generation routes of lorafleet's data plane this engine serves itself, in the same shape
+    (vLLM: ``/inference/v1/generate``; SGLang: ``/generate``); elsewhere the data plane
+    translates them to ``/v1/completions`` and back."""
+    completion_fields: frozenset[str] = frozenset()
+    """Sampling fields beyond OpenAI's own that this engine's ``/v1/completions`` honours
+    (vLLM's ``top_k``, ``min_p``...): a translated request may use them; any other is refused
+    by name unless it has its default value."""
+    echo_top_logprobs: bool = True
+    """``/v1/completions`` with ``echo`` lists the prompt's top logprobs too (the reference
+    engine scores only the prompt's own tokens)."""
+    abort_route: str | None = None
+    """Where the engine aborts a request by its ``rid`` (SGLang: ``/abort_request``); None: the
+    data plane ends the upstream request itself."""
 
     def make_backend(
         self,

@@ -11,4 +11,5 @@ KIND = EngineKindInfo(
     rules="lorafleet.rules.reference:REFERENCE",
     launch_spec="lorafleet.engine.spec:ReferenceEngineSpec",
     embedded=True,
+    echo_top_logprobs=False,
 )

@@ -31,4 +31,7 @@ KIND = EngineKindInfo(
     lacks_adapter=lambda status, body: (
         status == 400 and (b"has never been loaded" in body or b"are not loaded" in body)
     ),
+    # /generate takes the adapter as lora_path; its answer is SGLang's own.
+    native_routes=frozenset({"/generate"}),
+    abort_route="/abort_request",
 )

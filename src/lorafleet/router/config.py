@@ -52,6 +52,13 @@ class RouterConfig:
     )
     """How often the router compares each replica's adapters with the table and feeds a
     lagging or empty one from a peer (``router/catchup.py``)."""
+    session_idle_s: float = setting(
+        3600.0,
+        flag="--session-idle",
+        type=click.FloatRange(min=1),
+        help="Seconds a session (X-Session-ID) may stay idle before its next request starts "
+        "fresh, on the newest version (a lost finish_session does not pin it for good).",
+    )
     """Idle pooled connections to engines and agents are dropped after this: below the 5 s after
     which uvicorn (the reference engine, the agent, vLLM, SGLang) closes them itself."""
     extra: dict = field(default_factory=dict)

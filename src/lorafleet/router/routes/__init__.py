@@ -1,6 +1,6 @@
 """The router's control-plane routes, one module per group (each a FastAPI ``APIRouter``).
 
-``reads``: health, metrics, models, sessions; ``aliases``: the table, flips, version numbers,
+``reads``: health and metrics; ``aliases``: the table, flips, version numbers,
 drains; ``leases``: publication leases; ``replicas``: membership and moves. Each group's
 ``routes(ctx)`` takes one ``RouteContext``: the router and the dependencies its routes use.
 """
@@ -8,16 +8,28 @@ drains; ``leases``: publication leases; ``replicas``: membership and moves. Each
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from lorafleet.dataplane.balancer import Balancer, Replica
+from lorafleet.dataplane.health import HealthPoller
+from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import UnknownReplica
 from lorafleet.protocol.router import ReplicaStatus
+from lorafleet.router.table import AliasStore
 
-if TYPE_CHECKING:
-    from lorafleet.router.app import RouterApp
-    from lorafleet.router.balancer import Replica
+__all__ = ["RouteContext", "RouterState", "replica_status"]
 
-__all__ = ["RouteContext", "replica_status"]
+
+class RouterState(Protocol):
+    """What the route groups read and change (``RouterApp``)."""
+
+    store: AliasStore
+    balancer: Balancer
+    metrics: RouterMetrics
+    poller: HealthPoller | None
+
+    def prune_metrics(self) -> None: ...
+    def export_gauges(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +38,7 @@ class RouteContext:
     ``inference`` the data plane's reads (the API key); ``guarded`` and ``keyed`` are the
     statuses those guards add to a route's documentation."""
 
-    router: RouterApp
+    router: RouterState
     ctl: list[Any]
     inference: list[Any]
     guarded: tuple[int, ...]

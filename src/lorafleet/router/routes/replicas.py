@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query
 from fastapi import Path as FastAPIPath
 
 from lorafleet._service import errors
+from lorafleet.dataplane.balancer import Replica
 from lorafleet.errors import InvalidRequest, NotFound
 from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.router import (
@@ -20,7 +21,6 @@ from lorafleet.protocol.router import (
     ReplicaList,
     ReplicaStatus,
 )
-from lorafleet.router.balancer import Replica
 from lorafleet.router.routes import RouteContext, replica_status
 
 __all__ = ["routes"]

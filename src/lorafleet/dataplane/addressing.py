@@ -3,21 +3,28 @@
 The rules (``protocol/router.py``): an alias is its newest routable version (or, for a session
 on a name that pins sessions, the version the session started on); ``name@vN`` pins a version
 inside the retention window and under ``max_staleness``; a base model's own name goes to any
-replica serving it. One place for them, shared by the OpenAI-style proxy and SGLang's native
-``/generate`` (``router/native.py``).
+replica serving it. One place for them, shared by every generation shape (``shapes/``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+from lorafleet.dataplane.balancer import Balancer
 from lorafleet.errors import InvalidRequest, NotFound, StaleVersion, VersionNotRoutable
 from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import AliasEntry, RoutableVersion
-from lorafleet.router.balancer import Balancer
-from lorafleet.router.table import AliasStore
 
-__all__ = ["Addressing", "Route"]
+__all__ = ["Addressing", "Route", "TableView"]
+
+
+class TableView(Protocol):
+    """The alias table as the data plane reads it: the control plane's own store in one
+    process, or the last snapshot a data-plane copy acknowledged."""
+
+    @property
+    def aliases(self) -> dict[str, AliasEntry]: ...
 
 
 @dataclass(slots=True)
@@ -33,26 +40,38 @@ class Route:
     lag: int = 0
     """How many versions behind the name's newest (a pin or a session's version)."""
 
+    @property
+    def key(self) -> tuple[str | None, int | None]:
+        """What in-flight accounting and metrics count this request under."""
+        return self.adapter, self.version
+
+    @property
+    def what(self) -> str:
+        """How an error names what the request asked for."""
+        if self.adapter is not None:
+            return f"{self.adapter} v{self.version}"
+        return self.alias or "the base model"
+
 
 class Addressing:
     """Resolves ``model`` against the alias table and the replicas' base models."""
 
-    def __init__(self, store: AliasStore, balancer: Balancer) -> None:
-        self.store = store
+    def __init__(self, table: TableView, balancer: Balancer) -> None:
+        self.table = table
         self.balancer = balancer
 
     def resolve(self, model: object, session: str | None = None) -> Route:
         """``model`` -> Route, at arrival (see the addressing rules in protocol/router.py).
 
         Raises ``NotFound`` for an unknown name, ``VersionNotRoutable`` for a pin (or a
-        session's version) outside the retention window, ``StaleVersion`` past
-        ``max_staleness``.
+        session's version) that does not exist or left the retention window, ``StaleVersion``
+        past ``max_staleness``.
         """
         if model is None:
             return Route(None, None, None, None, None, None)
         if not isinstance(model, str):
             raise InvalidRequest("model must be a string", param="model")
-        aliases = self.store.aliases
+        aliases = self.table.aliases
         entry = aliases.get(model)
         if entry is not None:
             if session is None or not entry.pins_sessions:
@@ -75,7 +94,7 @@ class Addressing:
 
     def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
         """The version ``session`` started on (pinned now if it is new)."""
-        pinned = self.balancer.pin(session, entry.name, entry.version)
+        pinned = self.balancer.sessions.pin(session, entry.name, entry.version)
         return self._routable(entry, pinned, f"session {session!r}, which started on it,")
 
     @staticmethod
@@ -84,9 +103,15 @@ class Addressing:
         listed = ", ".join(f"v{v.version}" for v in window)
         ref = next((v for v in window if v.version == version), None)
         if ref is None:
+            oldest = min(v.version for v in window)
+            if version > oldest:
+                # Newer than the window's oldest yet not in it: never flipped to (not published
+                # yet, or its attempt failed and the number was burnt).
+                why = f"does not exist (the newest is v{entry.version})"
+            else:
+                why = f"is outside the retention window of {entry.keep_versions}"
             raise VersionNotRoutable(
-                f"{entry.name!r} v{version} is not routable for {who} (it is outside the "
-                f"retention window of {entry.keep_versions}); routable: {listed}"
+                f"{entry.name!r} v{version} is not routable for {who}: it {why}; routable: {listed}"
             )
         lag = entry.version - version
         if lag > entry.staleness:

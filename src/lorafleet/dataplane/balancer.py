@@ -1,11 +1,12 @@
 """Replicas, their health, in-flight accounting and replica choice.
 
-Choice is fewest outstanding requests, with sticky sessions. Health has hysteresis: a replica
-leaves rotation after ``unhealthy_after`` consecutive failures (health probes or real requests)
-and returns after ``healthy_after`` consecutive good probes, so one slow probe on a busy machine
-does not drop it. An agent's own "not ready" answer and a refused connection are definitive and
-take it out at once. When no replica of a version is in rotation, ``candidates`` falls back to
-trying all of them (a panic mode, as Envoy has) rather than refusing without trying.
+Choice is fewest outstanding requests, with sticky sessions (``sessions.py``). Health has
+hysteresis: a replica leaves rotation after ``unhealthy_after`` consecutive failures (health
+probes or real requests) and returns after ``healthy_after`` consecutive good probes, so one slow
+probe on a busy machine does not drop it. An agent's own "not ready" answer and a refused
+connection are definitive and take it out at once. When no replica of a version is in rotation,
+``candidates`` falls back to trying all of them (a panic mode, as Envoy has) rather than
+refusing without trying.
 
 Everything here is synchronous on purpose: resolving a request and counting it in flight happen
 with no ``await`` in between, so a drain that starts after an alias flip sees every request that
@@ -15,13 +16,11 @@ resolved to the old version.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-__all__ = ["Balancer", "Replica"]
+from lorafleet.dataplane.sessions import Sessions
 
-# Sticky sessions are a cache: old ones fall out first.
-MAX_SESSIONS = 100_000
+__all__ = ["Balancer", "Replica"]
 
 
 @dataclass(eq=False)
@@ -60,15 +59,18 @@ class Balancer:
     """The replica set plus exact in-flight counts per replica and per (name, version)."""
 
     def __init__(
-        self, agent_urls: list[str], *, unhealthy_after: int = 3, healthy_after: int = 2
+        self,
+        agent_urls: list[str],
+        *,
+        unhealthy_after: int = 3,
+        healthy_after: int = 2,
+        sessions: Sessions | None = None,
     ) -> None:
         self.replicas: list[Replica] = [Replica(agent_url=u.rstrip("/")) for u in agent_urls]
         self.unhealthy_after = unhealthy_after
         self.healthy_after = healthy_after
         self.by_id: dict[str, Replica] = {}
-        self.sessions: OrderedDict[str, Replica] = OrderedDict()
-        self.pins: OrderedDict[str, dict[str, int]] = OrderedDict()
-        """session -> {adapter name: the version that session started on}."""
+        self.sessions = sessions if sessions is not None else Sessions()
         self.inflight: dict[tuple[str | None, int | None], _Drain] = {}
         self._rr = 0
 
@@ -85,8 +87,7 @@ class Balancer:
         r.healthy = r.probed = False
         r.failures = r.successes = 0
         r.detail = f"re-placed at {agent_url}, not polled yet"
-        for session in [s for s, got in self.sessions.items() if got is r]:
-            del self.sessions[session]
+        self.sessions.unstick(r)
 
     def add(self, agent_url: str) -> Replica:
         """A new replica (membership): out of rotation until its first good probe."""
@@ -97,8 +98,7 @@ class Balancer:
     def remove(self, r: Replica) -> None:
         """Forget a replica (it was drained first): no session sticks to it."""
         self.replicas = [x for x in self.replicas if x is not r]
-        for session in [s for s, got in self.sessions.items() if got is r]:
-            del self.sessions[session]
+        self.sessions.unstick(r)
         self.reindex()
 
     def base_models(self) -> set[str]:
@@ -160,9 +160,8 @@ class Balancer:
         if not cands:
             return None
         if session is not None:
-            r = self.sessions.get(session)
+            r = self.sessions.replica(session)
             if r is not None and r in cands:
-                self.sessions.move_to_end(session)
                 return r
         if len(cands) == 1:
             best = cands[0]
@@ -174,26 +173,8 @@ class Balancer:
                 if r.inflight < best.inflight:
                     best = r
         if session is not None:
-            self.sessions[session] = best
-            self.sessions.move_to_end(session)
-            if len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
+            self.sessions.stick(session, best)
         return best
-
-    def pin(self, session: str, name: str, newest: int) -> int:
-        """The version ``session`` uses for ``name``: the one it started on, else ``newest``."""
-        names = self.pins.get(session)
-        if names is None:
-            names = self.pins[session] = {}
-            if len(self.pins) > MAX_SESSIONS:
-                self.pins.popitem(last=False)
-        else:
-            self.pins.move_to_end(session)
-        return names.setdefault(name, newest)
-
-    def forget_session(self, session: str) -> None:
-        self.sessions.pop(session, None)
-        self.pins.pop(session, None)
 
     # --- accounting ----------------------------------------------------------------------------
 

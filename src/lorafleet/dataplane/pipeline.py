@@ -1,0 +1,297 @@
+"""The data plane's hot path as a bare ASGI handler: what every generation shape shares.
+
+Why not FastAPI here: routing, dependency injection and response classes cost tens of
+microseconds per request, and this path has a latency budget of a few hundred. The pipeline
+checks the API key, reads the body under its cap, parses it once and hands it to the shape its
+path names (``shapes/``). A shape resolves ``model`` against the alias table **at arrival**
+(``resolve``), takes its candidates (``candidates``) and counts the request in flight
+(``accounted``) with no ``await`` in between (see balancer.py); ``attempt`` then runs it on one
+replica, and once more on another if the first could not be reached or its engine said it does
+not hold the version (``hand_on``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+
+from lorafleet._service import check_token, send_error
+from lorafleet.dataplane.aborts import LiveRequests
+from lorafleet.dataplane.addressing import Addressing, Route, TableView
+from lorafleet.dataplane.balancer import Balancer, Replica
+from lorafleet.dataplane.metrics import RouterMetrics
+from lorafleet.dataplane.relay import relay_stream, relay_whole, watched
+from lorafleet.dataplane.shapes import SHAPES, Dispatch
+from lorafleet.dataplane.shapes.base import Call, ForwardShape, HandOn, Outcome, Shape
+from lorafleet.dataplane.upstream import Unreachable, Upstream
+from lorafleet.engine_kinds import engine_kind
+from lorafleet.errors import (
+    BodyTooLarge,
+    EngineRejected,
+    EngineUnavailable,
+    Forbidden,
+    InvalidName,
+    InvalidRequest,
+    NoReplica,
+    NotFound,
+    ServiceError,
+    StaleVersion,
+    StreamInterrupted,
+    Unauthorized,
+    VersionNotRoutable,
+)
+from lorafleet.protocol.router import SESSION_HEADER
+
+__all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Pipeline"]
+
+T = TypeVar("T")
+
+MAX_BODY = 32 << 20
+DATA_PLANE_ERRORS: tuple[type[ServiceError], ...] = (
+    InvalidRequest,
+    InvalidName,
+    Unauthorized,
+    Forbidden,
+    NotFound,
+    VersionNotRoutable,
+    StaleVersion,
+    BodyTooLarge,
+    StreamInterrupted,
+    EngineUnavailable,
+    NoReplica,
+    EngineRejected,
+)
+"""Every refusal the data plane answers itself: its OpenAPI document is written from this tuple,
+and tests/test_error_docs.py checks that the pipeline raises nothing else."""
+_H_SESSION = SESSION_HEADER.lower().encode()
+
+
+class Pipeline(Addressing):
+    """The hot path over one alias table (``resolve``: what a request names, ``Addressing``)."""
+
+    def __init__(
+        self,
+        table: TableView,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        *,
+        fresh: aiohttp.ClientSession | None = None,
+        api_key: str | None = None,
+        shapes: Sequence[Shape] | None = None,
+    ) -> None:
+        super().__init__(table, balancer)
+        self.metrics = metrics
+        self.upstream = Upstream(session, metrics, fresh)
+        self.dispatch = Dispatch(SHAPES if shapes is None else shapes)
+        self.live = LiveRequests()
+        """Translated requests in flight, by ``rid``: what SGLang's abort ends (aborts.py)."""
+        self._key = api_key or None
+
+    # --- entry ---------------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self._key is not None:
+                header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+                check_token(header, self._key, what="API key")
+            body = await self._read_body(receive)
+            doc = _json_object(body)
+            session = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == _H_SESSION), None
+            )
+            shape = self.dispatch.shape(scope["path"], doc)
+            await shape.handle(self, Call(scope, receive, send, body, doc, session, t0))
+        except ServiceError as exc:
+            await send_error(send, exc)
+
+    @staticmethod
+    async def _read_body(receive) -> bytes:
+        msg = await receive()
+        body = msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+        buf = bytearray(body)
+        while msg.get("more_body"):
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise InvalidRequest("client went away")
+            buf += msg.get("body", b"")
+            if len(buf) > MAX_BODY:
+                raise BodyTooLarge(f"body over {MAX_BODY} bytes")
+        return bytes(buf)
+
+    # --- what every shape shares ---------------------------------------------------------------
+
+    def candidates(self, route: Route) -> list[Replica]:
+        """The replicas that may serve ``route``: routable ones, else every known holder (a
+        replica that looks unhealthy beats a 503 without trying). Raises ``NoReplica``."""
+        cands = self.balancer.candidates(route.replicas, route.base_model)
+        if not cands:
+            cands = self.balancer.known(route.replicas, route.base_model)
+            if cands:
+                self.metrics.panic.inc()
+        if not cands:
+            raise NoReplica(f"no replica serves {route.what!r} right now")
+        return cands
+
+    @contextlib.contextmanager
+    def accounted(self, routes: Sequence[Route], t0: float) -> Iterator[Outcome]:
+        """Count ``routes`` in flight (drains wait for them) for as long as the block runs, then
+        record their latency, status and version lag. Enter it in the same tick as
+        ``resolve``: no ``await`` in between."""
+        for route in routes:
+            self.balancer.begin(route.key)
+        outcome = Outcome()
+        try:
+            yield outcome
+        finally:
+            spent = time.perf_counter() - t0
+            for route in routes:
+                self.balancer.end(route.key)
+                hist, _ = self.metrics.children(*route.key)
+                hist.observe(spent)
+                self.metrics.count(route.adapter, route.version, outcome.status)
+                if route.adapter is not None:
+                    self.metrics.lag(route.adapter).observe(route.lag)
+
+    async def post(self, replica: Replica, path: str, data: bytes) -> aiohttp.ClientResponse:
+        """POST to one replica's engine; the answer counts as a sign of life. Raises
+        ``Unreachable`` when nothing came back."""
+        resp = await self.upstream.post(replica, path, data)
+        self.balancer.succeeded(replica, probe=False)
+        return resp
+
+    async def attempt(
+        self,
+        route: Route,
+        cands: list[Replica],
+        session: str | None,
+        run: Callable[[Replica, bool], Awaitable[T]],
+    ) -> T:
+        """``run(replica, may_hand_on)`` on one replica; once more on another if the first could
+        not be reached (``Unreachable``) or handed the request on (``HandOn``, allowed only on
+        the first try). Raises ``EngineUnavailable`` when no replica took it."""
+        failed: Replica | None = None
+        for _ in range(2):
+            replica = self.balancer.pick(cands, session, exclude=failed)
+            if replica is None:
+                break
+            replica.inflight += 1
+            placed_at = replica.agent_url
+            try:
+                return await run(replica, failed is None)
+            except Unreachable as exc:
+                # Refused means nothing listens: out of rotation at once. A timeout or a reset
+                # counts as one failure; a run of them takes the replica out. Not if it was
+                # re-placed meanwhile: that was its old address.
+                if replica.agent_url == placed_at:
+                    self.balancer.failed(replica, exc.detail, definitive=exc.refused, probe=False)
+                self.metrics.retries.inc()
+                failed = replica
+            except HandOn:
+                failed = replica
+            finally:
+                replica.inflight -= 1
+        raise EngineUnavailable(
+            "could not connect to a replica" if failed else "no healthy replica right now"
+        )
+
+    def hand_on(
+        self, replica: Replica, route: Route, status: int, body: bytes, cands: list[Replica]
+    ) -> bool:
+        """Whether a request goes on from ``replica`` to another candidate because its engine
+        answered (``status``, ``body``) that it does not hold the version ``route`` names
+        (``lacks_adapter`` of its kind). The table lists it for the version, yet the engine
+        restarted empty, faster than the health poll could see: it leaves rotation until its
+        agent says ready. With no other candidate, the engine's answer is relayed."""
+        if (
+            status < 400
+            or route.engine_name is None
+            or not any(c is not replica for c in cands)
+            or not engine_kind(replica.kind).lacks_adapter(status, body)
+        ):
+            return False
+        why = f"its engine does not hold {route.engine_name}"
+        self.balancer.failed(replica, why, definitive=True, probe=False)
+        self.metrics.retries.inc()
+        return True
+
+    async def _lacks_adapter(
+        self, replica: Replica, resp: aiohttp.ClientResponse, route: Route, cands: list[Replica]
+    ) -> bool:
+        """``hand_on`` for an answer not read yet (its body is read only when it may be that;
+        the read is cached, so it is relayed as is if it is not)."""
+        if resp.status < 400 or route.engine_name is None:
+            return False
+        try:
+            body = await resp.read()
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+        return self.hand_on(replica, route, resp.status, body, cands)
+
+    async def forward(self, call: Call, shape: ForwardShape, doc: dict[str, Any]) -> None:
+        """Route one OpenAI-shaped request and relay its answer (``ForwardShape``)."""
+        route = self.resolve(doc.get("model"), call.session)
+        cands = self.candidates(route)
+        with self.accounted([route], call.t0) as outcome:
+            stream = shape.stream(doc)
+            run = self._forward(call, shape, doc, route, cands, stream)
+            outcome.status = await (watched(run, call.receive) if stream else run)
+
+    async def _forward(
+        self,
+        call: Call,
+        shape: ForwardShape,
+        doc: dict[str, Any],
+        route: Route,
+        cands: list[Replica],
+        stream: bool,
+    ) -> int:
+        async def run(replica: Replica, may_hand_on: bool) -> int:
+            up = shape.upstream(call, doc, route, replica)
+            resp = await self.post(replica, up.path, up.data)
+            try:
+                if may_hand_on and await self._lacks_adapter(replica, resp, route, cands):
+                    resp.release()
+                    raise HandOn
+            except HandOn:
+                raise
+            except BaseException:
+                resp.close()
+                raise
+            try:
+                ctype = resp.headers.get("Content-Type", "")
+                if stream and resp.status == 200 and "text/event-stream" in ctype:
+                    await relay_stream(call.send, route, replica, resp, call.path, up.sent_model)
+                    return resp.status
+                return await relay_whole(
+                    call.send, route, replica, resp, up.sent_model, up.transform
+                )
+            except BaseException:
+                resp.close()  # never return a half-read connection to the pool
+                raise
+            finally:
+                resp.release()
+
+        try:
+            return await self.attempt(route, cands, call.session, run)
+        except EngineUnavailable as exc:
+            await send_error(call.send, exc)
+            return exc.status
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise InvalidRequest(f"body is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return doc
