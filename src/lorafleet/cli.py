@@ -6,6 +6,7 @@ import click
 
 from lorafleet.agent.cli import command as agent_command
 from lorafleet.bundle.cli import inspect_command
+from lorafleet.dataplane.cli import command as dataplane_command
 from lorafleet.engine.cli import command as engine_command
 from lorafleet.fleet.cli import demo_command, status_command, up_command
 from lorafleet.front.cli import command as front_command
@@ -38,6 +39,7 @@ for _cmd in (
     engine_command,
     publish_command,
     router_command,
+    dataplane_command,
     front_command,
     up_command,
     status_command,

@@ -41,7 +41,8 @@ LorafleetError
 │   │   └── StreamInterrupted     502 stream_interrupted    (an engine's stream broke mid-way)
 │   ├── Unavailable               503
 │   │   ├── EngineUnavailable     503 engine_unavailable
-│   │   └── NoReplica             503 no_replica
+│   │   ├── NoReplica             503 no_replica
+│   │   └── TableStale            503 table_stale
 │   └── QuotaExceeded             507 quota_exceeded
 └── PublishError                  a publication failed; ``.failures`` maps replica -> reason
 
@@ -95,6 +96,7 @@ __all__ = [
     "SizeMismatch",
     "StaleVersion",
     "StreamInterrupted",
+    "TableStale",
     "TooLarge",
     "TransferStalled",
     "TransportError",
@@ -454,6 +456,13 @@ class EngineUnavailable(Unavailable):
 
 class NoReplica(Unavailable):
     code = ErrorCode.NO_REPLICA
+
+
+class TableStale(Unavailable):
+    """A data-plane copy was cut off from the control plane long enough to have missed a flip
+    (it was frozen, or starved): it answers no adapter request until it has the table again."""
+
+    code = ErrorCode.TABLE_STALE
 
 
 class QuotaExceeded(ServiceError):

@@ -15,18 +15,23 @@ from lorafleet.protocol.router import (
     AddReplicaRequest,
     AliasEntry,
     AliasTable,
+    CopyList,
+    CopyReport,
     DrainRequest,
     DrainResponse,
     LagState,
     Lease,
     LeaseRequest,
     MoveReplicaRequest,
+    PinRecord,
+    PinRequest,
     ReplicaList,
     ReplicaStatus,
     Reservation,
     ReserveRequest,
     SessionPolicy,
     SetAliasRequest,
+    Snapshot,
 )
 
 __all__ = ["NO_CAS", "AsyncRouterClient"]
@@ -64,8 +69,9 @@ class AsyncRouterClient:
 
     async def _call(self, method: str, path: str, **kw) -> httpx.Response:
         url = self.base_url + path
+        headers = kw.pop("headers", self._headers)
         with map_transport_errors(url):
-            resp = await self._client.request(method, url, headers=self._headers, **kw)
+            resp = await self._client.request(method, url, headers=headers, **kw)
         return raise_for_status(resp)
 
     async def table(self, *, log: bool = True) -> AliasTable:
@@ -191,3 +197,31 @@ class AsyncRouterClient:
             timeout=httpx.Timeout(drain_s + 30.0, connect=5.0),
         )
         return ReplicaStatus.model_validate_json(r.content)
+
+    # --- data-plane copies ---------------------------------------------------------------------
+
+    async def sync(self, report: CopyReport, wait: float) -> Snapshot:
+        """A data-plane copy's long poll (``router/copies.py``): its report in, the table out,
+        at once when something changed for it, else after ``wait`` seconds."""
+        r = await self._call(
+            "POST",
+            "/v1/control/sync",
+            params={"wait": wait},
+            content=report.model_dump_json(),
+            headers={**self._headers, "content-type": "application/json"},
+            timeout=httpx.Timeout(wait + 10.0, connect=2.0),
+        )
+        return Snapshot.model_validate_json(r.content)
+
+    async def pin(self, session: str, name: str, timeout: float = 2.0) -> PinRecord:
+        """A session's pin on ``name`` while a flip of it is under way."""
+        body = PinRequest(session=session, name=name).model_dump()
+        r = await self._call(
+            "POST", "/v1/control/pins", json=body, timeout=httpx.Timeout(timeout, connect=1.0)
+        )
+        return PinRecord.model_validate_json(r.content)
+
+    async def copies(self) -> CopyList:
+        """The data-plane copies the control plane knows, each with its table seq."""
+        r = await self._call("GET", "/v1/control/copies")
+        return CopyList.model_validate_json(r.content)

@@ -43,6 +43,11 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.sessions = Gauge(
+            "lorafleet_router_sessions",
+            "Sessions remembered (their sticky replica and version pins), set at scrape",
+            registry=self.registry,
+        )
         self.retries = Counter(
             "lorafleet_router_retries",
             "Requests re-sent to another replica after a connection failure",

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -42,12 +42,13 @@ from lorafleet.errors import (
     ServiceError,
     StaleVersion,
     StreamInterrupted,
+    TableStale,
     Unauthorized,
     VersionNotRoutable,
 )
 from lorafleet.protocol.router import SESSION_HEADER
 
-__all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Pipeline"]
+__all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Gate", "Pipeline"]
 
 T = TypeVar("T")
 
@@ -65,10 +66,17 @@ DATA_PLANE_ERRORS: tuple[type[ServiceError], ...] = (
     EngineUnavailable,
     NoReplica,
     EngineRejected,
+    TableStale,
 )
 """Every refusal the data plane answers itself: its OpenAPI document is written from this tuple,
 and tests/test_error_docs.py checks that the pipeline raises nothing else."""
 _H_SESSION = SESSION_HEADER.lower().encode()
+
+
+class Gate(Protocol):
+    """What a data-plane copy checks before it resolves a request (``sync.Syncer.admit``)."""
+
+    async def admit(self, models: Iterable[object], session: str | None) -> None: ...
 
 
 class Pipeline(Addressing):
@@ -84,6 +92,7 @@ class Pipeline(Addressing):
         fresh: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
         shapes: Sequence[Shape] | None = None,
+        gate: Gate | None = None,
     ) -> None:
         super().__init__(table, balancer)
         self.metrics = metrics
@@ -91,6 +100,8 @@ class Pipeline(Addressing):
         self.dispatch = Dispatch(SHAPES if shapes is None else shapes)
         self.live = LiveRequests()
         """Translated requests in flight, by ``rid``: what SGLang's abort ends (aborts.py)."""
+        self.gate = gate
+        """A data-plane copy's check that its table may be trusted (``sync.Syncer``)."""
         self._key = api_key or None
 
     # --- entry ---------------------------------------------------------------------------------
@@ -128,6 +139,12 @@ class Pipeline(Addressing):
         return bytes(buf)
 
     # --- what every shape shares ---------------------------------------------------------------
+
+    async def admit(self, models: Iterable[object], session: str | None) -> None:
+        """Before resolving ``models``: on a data-plane copy, wait until its table may be
+        trusted (raises ``TableStale`` when it may not); nothing to wait for in one process."""
+        if self.gate is not None:
+            await self.gate.admit(models, session)
 
     def candidates(self, route: Route) -> list[Replica]:
         """The replicas that may serve ``route``: routable ones, else every known holder (a
@@ -238,6 +255,7 @@ class Pipeline(Addressing):
 
     async def forward(self, call: Call, shape: ForwardShape, doc: dict[str, Any]) -> None:
         """Route one OpenAI-shaped request and relay its answer (``ForwardShape``)."""
+        await self.admit([doc.get("model")], call.session)
         route = self.resolve(doc.get("model"), call.session)
         cands = self.candidates(route)
         with self.accounted([route], call.t0) as outcome:

@@ -13,7 +13,7 @@ import aiohttp
 from lorafleet.dataplane.addressing import TableView
 from lorafleet.dataplane.balancer import Balancer, Replica
 from lorafleet.dataplane.metrics import RouterMetrics
-from lorafleet.dataplane.pipeline import Pipeline
+from lorafleet.dataplane.pipeline import Gate, Pipeline
 from lorafleet.dataplane.shapes import HOT_PATHS
 from lorafleet.dataplane.upstream import client_session
 
@@ -33,12 +33,14 @@ class DataPlane:
         *,
         api_key: str | None = None,
         upstream_keepalive_s: float = 2.0,
+        gate: Gate | None = None,
     ) -> None:
         self.table = table
         self.balancer = balancer
         self.metrics = metrics
         self.api_key = api_key
         self.upstream_keepalive_s = upstream_keepalive_s
+        self.gate = gate
         self.pipeline: Pipeline | None = None
         self.pooled: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
@@ -56,6 +58,7 @@ class DataPlane:
             self.pooled,
             fresh=self._fresh,
             api_key=self.api_key,
+            gate=self.gate,
         )
 
     async def stop(self) -> None:

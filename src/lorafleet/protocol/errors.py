@@ -64,6 +64,7 @@ class ErrorCode(StrEnum):
     ADAPTER_NOT_APPLIED = "adapter_not_applied", 502
     ENGINE_UNAVAILABLE = "engine_unavailable", 503
     NO_REPLICA = "no_replica", 503
+    TABLE_STALE = "table_stale", 503
     UNKNOWN_REPLICA = "unknown_replica", 409
     STREAM_INTERRUPTED = "stream_interrupted", 502
     TRANSFER_STALLED = "transfer_stalled", 408

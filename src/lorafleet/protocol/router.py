@@ -37,6 +37,16 @@ Control plane (the control token, separate from the inference key)::
     DELETE /v1/control/aliases/{name}/reserve/{version}?holder=  -> 204 (give back a number
                                                whose attempt reached no engine)
 
+Data-plane copies (``docs/router.md``; the control token)::
+
+    POST   /v1/control/sync?wait=              CopyReport -> Snapshot (a long poll: answered at
+                                               once when the table changed since the copy's
+                                               ``acked`` seq, else after ``wait`` seconds; the
+                                               next report acknowledges what it applied)
+    POST   /v1/control/pins                    PinRequest -> PinRecord (a session's pin while a
+                                               flip of its name is under way)
+    GET    /v1/control/copies                  -> CopyList
+
 Quorum (``docs/quorum.md``): a version's ``replicas`` are exactly the replicas that hold it
 verified, loaded and proven, each with the version's ``digest``; ``AliasEntry.lagging`` names the
 others (since which version, why, when a publication tries them again). The router's catch-up
@@ -65,12 +75,18 @@ __all__ = [
     "AliasEntry",
     "AliasEvent",
     "AliasTable",
+    "CopyList",
+    "CopyReport",
+    "CopyStatus",
+    "DrainCount",
     "DrainRequest",
     "DrainResponse",
     "LagState",
     "Lease",
     "LeaseRequest",
     "MoveReplicaRequest",
+    "PinRecord",
+    "PinRequest",
     "ReplicaList",
     "ReplicaStatus",
     "Reservation",
@@ -79,6 +95,7 @@ __all__ = [
     "RouterHealth",
     "SessionPolicy",
     "SetAliasRequest",
+    "Snapshot",
     "VersionTag",
 ]
 
@@ -276,3 +293,100 @@ class RouterHealth(_Model):
     status: Literal["ok"]
     replicas: int
     healthy: int
+
+
+# --- data-plane copies ------------------------------------------------------------------------
+
+
+class PinRecord(_Model):
+    """Session ``session`` started on ``version`` of ``name`` (its pin holds on every copy);
+    ``name`` None: the session ended (idle, or finished), everywhere."""
+
+    session: str = Field(max_length=4096)
+    name: str | None = None
+    version: int | None = None
+
+
+class DrainCount(_Model):
+    """Requests a copy has in flight for one version that is being drained."""
+
+    name: str
+    version: int
+    inflight: int = Field(ge=0)
+
+
+class CopyReport(_Model):
+    """What a data-plane copy tells the control plane in each sync (its long poll)."""
+
+    copy_id: str = Field(min_length=1, max_length=256)
+    epoch: str | None = None
+    """The control plane's epoch of the snapshot ``acked`` belongs to (None: none yet)."""
+    acked: int = Field(default=0, ge=0)
+    """The table seq this copy applied and routes by: the acknowledgement of that flip."""
+    pin_cursor: int = Field(default=0, ge=0)
+    """The position in the control plane's pin log this copy has adopted up to."""
+    pins: list[PinRecord] = Field(default_factory=list, max_length=100_000)
+    """Pins made (or used again) and sessions finished here since the last report."""
+    draining: list[DrainCount] = Field(default_factory=list, max_length=4096)
+    """In-flight counts for the versions the last snapshot asked about."""
+    url: str | None = Field(default=None, max_length=2048)
+    """Where this copy serves (for ``lorafleet status``)."""
+    pid: int | None = None
+    inflight: int = Field(default=0, ge=0)
+    healthy_replicas: int = Field(default=0, ge=0)
+    requests: int = Field(default=0, ge=0)
+    started_at: float = 0.0
+
+
+class Snapshot(_Model):
+    """The control plane's answer to a sync: the routing table a copy serves by.
+
+    ``aliases`` and ``agents`` are present when they changed since the copy's ``acked`` seq (or
+    the epoch changed: a restarted control plane sends everything again), else None."""
+
+    epoch: str
+    seq: int
+    aliases: dict[str, AliasEntry] | None = None
+    agents: list[str] | None = None
+    """Every replica's agent URL (membership): the copy polls their health itself."""
+    flipping: list[str] = Field(default_factory=list)
+    """Names whose flip is under way: a new session on one asks the control plane for its pin
+    (``POST /v1/control/pins``) until the flip is in a snapshot."""
+    draining: list[DrainCount] = Field(default_factory=list)
+    """Versions being drained: report their in-flight counts (``inflight`` unused here)."""
+    pins: list[PinRecord] = Field(default_factory=list)
+    """Pins other copies made, from the copy's ``pin_cursor`` on."""
+    pin_cursor: int = 0
+    lease_s: float
+    session_idle_s: float
+    """Sessions end after this long unused anywhere (the control plane ends them)."""
+    """The copy's table is current for this long after it sent the sync this answers."""
+
+
+class PinRequest(_Model):
+    session: str = Field(min_length=1, max_length=4096)
+    name: str
+
+
+class CopyStatus(_Model):
+    copy_id: str
+    url: str | None
+    pid: int | None
+    acked: int
+    """The table seq it routes by (``seq``: the newest)."""
+    current: bool
+    """It acknowledged the newest table and synced within its lease."""
+    fenced: bool
+    """It missed a flip and stayed silent past its lease: it refuses adapter requests until it
+    syncs again."""
+    last_sync_s: float
+    """Seconds since its last sync."""
+    inflight: int
+    healthy_replicas: int
+    requests: int
+
+
+class CopyList(_Model):
+    epoch: str
+    seq: int
+    copies: list[CopyStatus]

@@ -32,7 +32,8 @@ from lorafleet.dataplane.sessions import Sessions
 from lorafleet.dataplane.shapes import SHAPES
 from lorafleet.router.catchup import CatchUp
 from lorafleet.router.config import RouterConfig
-from lorafleet.router.routes import RouteContext, aliases, leases, reads, replicas
+from lorafleet.router.copies import Copies
+from lorafleet.router.routes import RouteContext, aliases, copies, leases, reads, replicas
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
@@ -45,12 +46,18 @@ class RouterApp:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.store = AliasStore(config.state_dir)
+        self.store = AliasStore(config.state_dir, on_change=self._table_changed)
         self.balancer = Balancer(
             config.agents,
             unhealthy_after=config.unhealthy_after,
             healthy_after=config.healthy_after,
             sessions=Sessions(config.session_idle_s),
+        )
+        self.copies = Copies(
+            lambda: self.store.aliases,
+            lambda: [r.agent_url for r in self.balancer.replicas],
+            self.balancer.sessions,
+            lease_s=config.copy_lease_s,
         )
         self.metrics = RouterMetrics()
         self.plane = DataPlane(
@@ -69,6 +76,16 @@ class RouterApp:
             await self.plane(scope, receive, send)
             return
         await self.api(scope, receive, send)
+
+    def _table_changed(self) -> None:
+        # Called from AliasStore.__init__ too, before ``copies`` exists: nothing to tell yet.
+        copies = getattr(self, "copies", None)
+        if copies is not None:
+            copies.bump()
+
+    def membership_changed(self) -> None:
+        """A replica joined, left or moved: the copies poll a new set of agents."""
+        self.copies.bump()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI):
@@ -132,6 +149,8 @@ class RouterApp:
             gauge.set(self.balancer.count(adapter, version))
         for r in self.balancer.replicas:
             self.metrics.replica_inflight.labels(r.replica_id or r.agent_url).set(r.inflight)
+        self.balancer.sessions.sweep()
+        self.metrics.sessions.set(len(self.balancer.sessions))
         self.metrics.lagging.clear()
         self.metrics.lagging_since.clear()
         for name, e in self.store.aliases.items():
@@ -154,7 +173,7 @@ def _build_api(router: RouterApp) -> FastAPI:
     keyed = (401, 403) if cfg.api_key is not None else ()
 
     ctx = RouteContext(router, ctl, inference, guarded, keyed)
-    for group in (reads, aliases, leases, replicas):
+    for group in (reads, aliases, leases, replicas, copies):
         app.include_router(group.routes(ctx))
     app.include_router(data_plane_routes.routes(router.plane, inference, keyed))
     finish_openapi(

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,13 @@ class LeaseRecord:
 class AliasStore:
     """Aliases, the flip log and leases, optionally persisted in ``state_dir``."""
 
-    def __init__(self, state_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str | os.PathLike | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.on_change = on_change
+        """Called after every change of ``aliases`` is durable (the data-plane copies' seq)."""
         self.aliases: dict[str, AliasEntry] = {}
         self.log: list[AliasEvent] = []
         self.seq = 0
@@ -225,6 +232,7 @@ class AliasStore:
         # and the swap run in one synchronous block, so no request is resolved between them and
         # ``event.ts`` is, to the event loop, the instant the flip happened.
         self.aliases, self.log, self.seq = aliases, log, event.seq
+        self._changed()
         return entry
 
     def delete_alias(self, name: str, lease_holder: str | None = None) -> AliasEvent:
@@ -237,6 +245,7 @@ class AliasStore:
         log = [*self.log, event][-MAX_LOG:]
         self._persist(aliases, log, event.seq, self.leases)
         self.aliases, self.log, self.seq = aliases, log, event.seq
+        self._changed()
         return event
 
     def forget_replica(self, replica_id: str, *, member: bool = True) -> list[str]:
@@ -268,6 +277,7 @@ class AliasStore:
             aliases = {**self.aliases, **changed}
             self._persist(aliases, self.log, self.seq, self.leases)
             self.aliases = aliases
+            self._changed()
         return sorted(changed)
 
     # --- quorum: holders, lagging replicas and version numbers ---------------------------------
@@ -276,7 +286,12 @@ class AliasStore:
         aliases = {**self.aliases, name: entry}
         self._persist(aliases, self.log, self.seq, self.leases)
         self.aliases = aliases
+        self._changed()
         return entry
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def add_holder(self, name: str, version: int, digest: str, replica_id: str) -> bool:
         """``replica_id`` caught up: it holds ``version`` verified with ``digest`` (it was

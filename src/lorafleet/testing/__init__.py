@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.agent.spec import AgentSpec
+from lorafleet.dataplane.spec import DataPlaneSpec
 from lorafleet.engine.spec import ReferenceEngineSpec
 from lorafleet.launch import Launcher, Server, SGLangSpec, VLLMSpec
 from lorafleet.router.spec import RouterSpec
@@ -36,6 +37,7 @@ __all__ = [
     "merged_greedy_ids",
     "sglang_python",
     "start_agent",
+    "start_dataplane",
     "start_reference_engine",
     "start_router",
     "start_sglang",
@@ -210,6 +212,32 @@ def start_router(
             api_key=api_key,
             agent_token=agent_token,
             state_dir=state_dir,
+            health_interval=health_interval,
+            extra=tuple(extra),
+            port=port,
+        )
+    )
+
+
+def start_dataplane(
+    launcher: Launcher,
+    control: Server | str,
+    *,
+    token: str | None,
+    api_key: str | None = None,
+    workers: int = 1,
+    health_interval: float | None = None,
+    extra: tuple[str, ...] | list[str] = (),
+    port: int = 0,
+) -> Server[DataPlaneSpec]:
+    """``lorafleet dataplane``: ``workers`` data-plane copies of the router ``control`` on one
+    socket, ready on /health."""
+    return launcher.start(
+        DataPlaneSpec(
+            control_url=control if isinstance(control, str) else control.url,
+            token=token,
+            api_key=api_key,
+            workers=workers,
             health_interval=health_interval,
             extra=tuple(extra),
             port=port,

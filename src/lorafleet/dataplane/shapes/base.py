@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -70,6 +70,7 @@ class Pipe(Protocol):
     table: TableView
     live: LiveRequests
 
+    async def admit(self, models: Iterable[object], session: str | None) -> None: ...
     def resolve(self, model: object, session: str | None = None) -> Route: ...
     def candidates(self, route: Route) -> list[Replica]: ...
     def accounted(

@@ -87,7 +87,9 @@ class SGLangGenerate(Shape):
                 "per request",
                 param="stream",
             )
-        routes = [_resolve(pipe, item, call.session) for item in items]
+        models = [_lora_model(item.lora_path, pipe.table.aliases) for item in items]
+        await pipe.admit(models, call.session)
+        routes = [_resolve(pipe, model, call.session) for model in models]
         cands = [pipe.candidates(route) for route in routes]
         with pipe.accounted(routes, call.t0) as outcome:
             if req.stream:
@@ -404,8 +406,7 @@ def _parse(doc: dict) -> GenerateRequest:
     return req
 
 
-def _resolve(pipe: Pipe, item: GenerateItem, session: str | None) -> Route:
-    model = _lora_model(item.lora_path, pipe.table.aliases)
+def _resolve(pipe: Pipe, model: str | None, session: str | None) -> Route:
     try:
         return pipe.resolve(model, session)
     except ServiceError as exc:

@@ -1,7 +1,8 @@
 """The router's control-plane routes, one module per group (each a FastAPI ``APIRouter``).
 
 ``reads``: health and metrics; ``aliases``: the table, flips, version numbers,
-drains; ``leases``: publication leases; ``replicas``: membership and moves. Each group's
+drains; ``leases``: publication leases; ``replicas``: membership and moves; ``copies``: the
+data-plane copies' syncs, pins and status. Each group's
 ``routes(ctx)`` takes one ``RouteContext``: the router and the dependencies its routes use.
 """
 
@@ -15,6 +16,7 @@ from lorafleet.dataplane.health import HealthPoller
 from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import UnknownReplica
 from lorafleet.protocol.router import ReplicaStatus
+from lorafleet.router.copies import Copies
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouteContext", "RouterState", "replica_status"]
@@ -27,8 +29,10 @@ class RouterState(Protocol):
     balancer: Balancer
     metrics: RouterMetrics
     poller: HealthPoller | None
+    copies: Copies
 
     def prune_metrics(self) -> None: ...
+    def membership_changed(self) -> None: ...
     def export_gauges(self) -> None: ...
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Response
 
 from lorafleet._service import errors
@@ -50,7 +52,8 @@ def routes(ctx: RouteContext) -> APIRouter:
         responses=errors(*guarded, 409, 413),
     )
     async def set_alias(name: AdapterName, req: SetAliasRequest) -> AliasEntry:
-        """The atomic flip. 409: ``version_conflict`` (compare-and-set, not newer),
+        """The atomic flip, answered once every live data-plane copy acknowledged it (or was
+        fenced). 409: ``version_conflict`` (compare-and-set, not newer),
         ``publish_in_progress`` (another lease holder), ``unknown_replica``."""
         await check_replicas(req.replicas)
         # Lagging replicas are reported by id or, for one never reached, its agent URL.
@@ -61,19 +64,23 @@ def routes(ctx: RouteContext) -> APIRouter:
         # An explicit null means "no alias yet"; an absent field means "no compare-and-set".
         if "expected_version" in req.model_fields_set:
             kw["expected_version"] = req.expected_version
-        entry = store.set_alias(
-            name,
-            req.version,
-            req.engine_name,
-            req.replicas,
-            lease_holder=req.lease_holder,
-            keep_versions=req.keep_versions,
-            max_staleness=req.max_staleness,
-            sessions=req.sessions,
-            digest=req.digest,
-            lagging=lagging,
-            **kw,
-        )
+        current = store.aliases.get(name)
+        # Sessions pinned to the current versions must keep them on every copy.
+        pins = current is not None and current.pins_sessions
+        async with router.copies.flip(name, pins):
+            entry = store.set_alias(
+                name,
+                req.version,
+                req.engine_name,
+                req.replicas,
+                lease_holder=req.lease_holder,
+                keep_versions=req.keep_versions,
+                max_staleness=req.max_staleness,
+                sessions=req.sessions,
+                digest=req.digest,
+                lagging=lagging,
+                **kw,
+            )
         router.prune_metrics()
         return entry
 
@@ -128,7 +135,10 @@ def routes(ctx: RouteContext) -> APIRouter:
                 "version that left it can be drained",
                 param="version",
             )
+        deadline = time.monotonic() + req.timeout_s
         left = await balancer.wait_drained(name, req.version, req.timeout_s)
+        # ... and on every data-plane copy, in what is left of the timeout.
+        left += await router.copies.wait_drained(name, req.version, deadline)
         router.prune_metrics()
         return DrainResponse(name=name, version=req.version, inflight=left, drained=left == 0)
 

@@ -90,6 +90,7 @@ def routes(ctx: RouteContext) -> APIRouter:
         names = store.forget_replica(r.replica_id)
         balancer.move(r, url)
         balancer.reindex()
+        router.membership_changed()
         log.warning(
             "replica %s re-placed: %s -> %s; taken off %d name(s) until republished",
             r.replica_id, was, url, len(names),
@@ -112,6 +113,7 @@ def routes(ctx: RouteContext) -> APIRouter:
         if same:
             return replica_status(same[0])
         r = balancer.add(url)
+        router.membership_changed()
         if router.poller is not None:
             await router.poller.poll_once()
             router.poller.watch(r)
@@ -140,6 +142,7 @@ def routes(ctx: RouteContext) -> APIRouter:
         if router.poller is not None:
             await router.poller.unwatch(r)
         balancer.remove(r)
+        router.membership_changed()
         router.prune_metrics()
         log.warning("replica %s removed (%d in flight)", status.replica_id, status.inflight)
         return status
