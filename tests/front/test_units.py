@@ -260,3 +260,31 @@ def test_tokenize_goes_to_the_first_engine_that_answers(tmp_path):
     reply = asyncio.run(go())
     assert reply.status_code == 200
     assert json.loads(reply.content) == {"tokens": [3], "model": "tiny"}  # the base model's name
+
+
+def test_finish_session_carries_the_router_key_and_a_refusal_is_503(tmp_path):
+    import asyncio
+
+    from lorafleet.errors import EngineUnavailable
+    from lorafleet.front.service import Front
+
+    def router(request: httpx.Request) -> httpx.Response:
+        assert (request.method, request.url.path) == ("POST", "/finish_session")
+        if request.headers.get("authorization") != "Bearer key":
+            return httpx.Response(403, json={"error": {"code": "forbidden", "message": "no"}})
+        return httpx.Response(200, json={"ok": True})
+
+    async def go(api_key: str) -> None:
+        front = Front(cfg(tmp_path, fleet_token="ctl", api_key=api_key))
+        # The front's own router client (its keys), over a mocked connection pool.
+        http = httpx.AsyncClient(transport=httpx.MockTransport(router))
+        front.router._client = http
+        try:
+            assert await front.finish_session("s") == {"ok": True}
+        finally:
+            await http.aclose()
+            await front.aclose()
+
+    asyncio.run(go("key"))
+    with pytest.raises(EngineUnavailable, match="the router answered 403 to finish_session"):
+        asyncio.run(go("ctl"))

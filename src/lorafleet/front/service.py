@@ -134,7 +134,9 @@ class Front:
             timeout=httpx.Timeout(None, connect=5.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
         )
-        self.router = AsyncRouterClient(cfg.router, cfg.fleet_token, client=self.http)
+        self.router = AsyncRouterClient(
+            cfg.router, cfg.fleet_token, client=self.http, api_key=cfg.api_key
+        )
         self.router_url = cfg.router.rstrip("/")
         self.paused = False
         # AReaL's pause: holds this front's generation and aborts what is in flight (front.gate).
@@ -564,16 +566,15 @@ class Front:
 
     async def finish_session(self, session_id: str) -> dict[str, Any]:
         """End a sticky session at the router: its replica and its versions are forgotten."""
-        headers = {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         with _unavailable(self.router_url):
-            r = await self.http.post(
-                self.router_url + "/finish_session",
-                params={"session_id": session_id},
-                headers=headers,
-                timeout=10.0,
-            )
-        if r.status_code != 200:
-            raise EngineUnavailable(f"the router answered {r.status_code} to finish_session")
+            try:
+                await self.router.finish_session(session_id)
+            except ServiceError as exc:
+                # Any refusal (a wrong key, a bad id) leaves the session open at the router: the
+                # trainer is told the fleet is unavailable (503), as before the client had this.
+                raise EngineUnavailable(
+                    f"the router answered {exc.status} to finish_session"
+                ) from exc
         return {"ok": True}
 
     # -- generation -------------------------------------------------------------------------------
