@@ -183,26 +183,22 @@ class RayFleet:
             got = servers.get(name) if name else None
             return got["pid"] if got else None
 
-        return FleetInfo(
+        replicas = [
+            ReplicaInfo(
+                engine=r.engine,
+                engine_url=r.engine_url,
+                agent_url=r.agent_url,
+                agent_pid=pid_of(r.agent_actor),
+                engine_pid=pid_of(r.engine_actor),
+            )
+            for r in self.replicas
+        ]
+        return FleetInfo.of(
+            self,
+            replicas,
             data_dir=data_dir or f"ray://{self.namespace}",
-            router_url=self.router_url,
-            control_token=self.token,
-            api_key=self.api_key,
-            model=str(self.model),
-            served_model_name=self.served_model_name,
-            replicas=[
-                ReplicaInfo(
-                    engine=r.engine,
-                    engine_url=r.engine_url,
-                    agent_url=r.agent_url,
-                    agent_pid=pid_of(r.agent_actor),
-                    engine_pid=pid_of(r.engine_actor),
-                )
-                for r in self.replicas
-            ],
             pid=pid,
             router_pid=pid_of(_ROUTER),
-            started_at=self.started_at,
         )
 
     def status(self):
