@@ -3,9 +3,10 @@
 An engine kind is one module here with one ``EngineKindInfo``: the agent's backend, the
 rulebook its adapters are checked against, how an OpenAI request names an adapter on it, the
 launch spec that starts one, and the facts the agent and the fleet act on. Everything that
-dispatches on a kind (the agent, the router, the probe, the rules, ``lorafleet up`` and Ray)
-asks ``engine_kind(name)``. Adding a kind: a module beside these, its name in ``EngineKind``
-and one line in ``_KINDS`` (tests/test_engine_kinds.py checks the two agree).
+dispatches on a kind (the agent, the router, the probe, the rules, ``lorafleet up``, Ray and the
+front, which calls engines only through their backends) asks ``engine_kind(name)``. Adding a
+kind: a module beside these, its name in ``EngineKind`` and one line in ``_KINDS``
+(tests/test_engine_kinds.py checks the two agree).
 
 Imports are lazy (inside the info's callables), so reading the registry costs no backend,
 rulebook or launcher import: the router and the publisher stay light.
