@@ -20,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lorafleet._atomic import atomic_write
 
@@ -32,6 +33,7 @@ __all__ = [
     "FleetInfo",
     "FleetNotFound",
     "ReplicaInfo",
+    "RunningFleet",
     "pid_alive",
     "read_fleet_file",
     "remove_fleet_file",
@@ -56,6 +58,23 @@ class ReplicaInfo:
     """None when lorafleet did not start the engine (vLLM/SGLang given by URL)."""
 
 
+class RunningFleet(Protocol):
+    """What every running fleet (``LocalFleet``, ``RayFleet``) tells its ``fleet.json``."""
+
+    @property
+    def router_url(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def model(self) -> object: ...
+    @property
+    def served_model_name(self) -> str: ...
+    @property
+    def started_at(self) -> float | None: ...
+
+
 @dataclass(frozen=True)
 class FleetInfo:
     data_dir: str
@@ -69,6 +88,31 @@ class FleetInfo:
     router_pid: int | None = None
     started_at: float | None = None
     format: int = FORMAT
+
+    @classmethod
+    def of(
+        cls,
+        fleet: RunningFleet,
+        replicas: Iterable[ReplicaInfo],
+        *,
+        data_dir: str,
+        pid: int | None,
+        router_pid: int | None,
+    ) -> FleetInfo:
+        """What ``fleet.json`` records of ``fleet``; ``replicas``, ``pid`` and ``router_pid`` are
+        what only the fleet knows how to find (a process table, Ray's actors)."""
+        return cls(
+            data_dir=data_dir,
+            router_url=fleet.router_url,
+            control_token=fleet.token,
+            api_key=fleet.api_key,
+            model=str(fleet.model),
+            served_model_name=fleet.served_model_name,
+            replicas=list(replicas),
+            pid=pid,
+            router_pid=router_pid,
+            started_at=fleet.started_at,
+        )
 
     @property
     def agent_urls(self) -> list[str]:

@@ -26,3 +26,15 @@ def test_refuses_a_bad_allow_list(tmp_path):
     args = [*ARGS, "--shared-dir", str(tmp_path), "--allow-unauthenticated-control"]
     out = CliRunner().invoke(main, [*args, "--control-allow-from", "not-an-address"])
     assert out.exit_code == 2
+
+
+def test_help_names_every_dialect_of_the_registry():
+    from lorafleet.front.dialects import DIALECTS
+
+    out = CliRunner().invoke(main, ["front", "--help"], terminal_width=100)
+    assert out.exit_code == 0, out.output
+    listed = out.output.split("Dialects (--dialect):", 1)[1].split("Options:", 1)[0]
+    assert [line.split()[0] for line in listed.strip().splitlines()] == list(DIALECTS)
+    for d in DIALECTS.values():
+        assert d.summary in listed, d.name
+    assert "SkyRL" in listed

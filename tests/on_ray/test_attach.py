@@ -64,6 +64,7 @@ def test_attach_agents_beside_trainer_engines(trainer_engines, ray_workdir, adap
         for replica, engine in zip(fleet.replicas, trainer_engines, strict=True):
             assert replica.engine_actor is None  # the trainer's, not lorafleet's
             assert servers[replica.agent_actor]["node_id"] == engine["node_id"]
+            assert replica.node_id == engine["node_id"]
             assert replica.engine_url == engine["url"]
 
         found = attach(NAMESPACE)  # e.g. from the trainer's driver: no URL list

@@ -144,3 +144,40 @@ def test_checker_slack_allows_the_previous_version_briefly():
     assert [v.kind for v in check(late, LOG, "p")] == ["wrong_version"]
     assert check(late, LOG, "p", slack_s=0.05) == []
     assert [v.kind for v in check([obs(0, 20.2, 1)], LOG, "p", slack_s=0.05)] == ["wrong_version"]
+
+
+def test_the_client_sends_the_api_key_on_the_data_plane_and_the_token_on_control():
+    import httpx
+
+    from lorafleet.clients.router import AsyncRouterClient
+    from lorafleet.errors import Unauthorized
+
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/finish_session":
+            if request.headers.get("authorization") not in (None, "Bearer key"):
+                return httpx.Response(
+                    401, json={"error": {"code": "unauthorized", "message": "wrong API key"}}
+                )
+            return httpx.Response(200, json={"ok": True})
+        return httpx.Response(200, json={"aliases": {}, "log": []})
+
+    async def go(token: str | None, api_key: str | None) -> None:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with AsyncRouterClient("http://router/", token, http, api_key=api_key) as c:
+            await c.finish_session("episode 1")
+            await c.table()
+        await http.aclose()
+
+    asyncio.run(go("ctl", "key"))
+    finish, table = seen
+    assert (finish.method, finish.url.path) == ("POST", "/finish_session")
+    assert finish.url.params["session_id"] == "episode 1"
+    assert finish.headers["authorization"] == "Bearer key"
+    assert table.headers["authorization"] == "Bearer ctl"
+    asyncio.run(go("ctl", None))  # an open data plane: no key, and never the control token
+    assert "authorization" not in seen[-2].headers
+    with pytest.raises(Unauthorized, match="wrong API key"):
+        asyncio.run(go("ctl", "other"))

@@ -1,4 +1,9 @@
-"""``AsyncRouterClient``: the router's control plane for the Publisher and operators.
+"""``AsyncRouterClient``: the router's control plane for the Publisher and operators, and the
+data-plane calls lorafleet itself makes (``finish_session``).
+
+The two planes are guarded by different secrets: control calls carry the control ``token``,
+data-plane calls the router's inference ``api_key``; the client holds each and sends the one
+the call needs.
 
 Errors: ``RemoteError`` (the router answered with an error; ``.code`` is the protocol code, e.g.
 ``version_conflict`` or ``publish_in_progress``) and ``TransportError`` (no answer).
@@ -47,13 +52,21 @@ NO_CAS = _NoCas()
 
 
 class AsyncRouterClient:
-    """Control-plane client. Pass ``client`` to share a connection pool; else one is owned."""
+    """The router's client. ``token``: the control token, sent on control calls; ``api_key``:
+    the inference key, sent on data-plane calls (None: the router's data plane is open). Pass
+    ``client`` to share a connection pool; else one is owned."""
 
     def __init__(
-        self, base_url: str, token: str | None, client: httpx.AsyncClient | None = None
+        self,
+        base_url: str,
+        token: str | None,
+        client: httpx.AsyncClient | None = None,
+        *,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._headers = bearer(token)
+        self._data_headers = bearer(api_key)
         self._owned = client is None
         self._client = client or async_client(timeout=httpx.Timeout(30.0, connect=5.0))
 
@@ -67,11 +80,15 @@ class AsyncRouterClient:
         if self._owned:
             await self._client.aclose()
 
-    async def _call(self, method: str, path: str, **kw) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, *, headers: dict[str, str] | None = None, **kw
+    ) -> httpx.Response:
+        """One call, with the control token unless ``headers`` (a data-plane call's) is given."""
         url = self.base_url + path
-        headers = kw.pop("headers", self._headers)
         with map_transport_errors(url):
-            resp = await self._client.request(method, url, headers=headers, **kw)
+            resp = await self._client.request(
+                method, url, headers=self._headers if headers is None else headers, **kw
+            )
         return raise_for_status(resp)
 
     async def table(self, *, log: bool = True) -> AliasTable:
@@ -197,6 +214,18 @@ class AsyncRouterClient:
             timeout=httpx.Timeout(drain_s + 30.0, connect=5.0),
         )
         return ReplicaStatus.model_validate_json(r.content)
+
+    # -- data plane (the inference key) -------------------------------------------------------
+    async def finish_session(self, session_id: str) -> None:
+        """End a sticky session: the router forgets its replica and its versions. A data-plane
+        call: it carries ``api_key``, not the control token."""
+        await self._call(
+            "POST",
+            "/finish_session",
+            params={"session_id": session_id},
+            headers=self._data_headers,
+            timeout=10.0,
+        )
 
     # --- data-plane copies ---------------------------------------------------------------------
 

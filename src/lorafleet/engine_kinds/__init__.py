@@ -3,9 +3,10 @@
 An engine kind is one module here with one ``EngineKindInfo``: the agent's backend, the
 rulebook its adapters are checked against, how an OpenAI request names an adapter on it, the
 launch spec that starts one, and the facts the agent and the fleet act on. Everything that
-dispatches on a kind (the agent, the router, the probe, the rules, ``lorafleet up`` and Ray)
-asks ``engine_kind(name)``. Adding a kind: a module beside these, its name in ``EngineKind``
-and one line in ``_KINDS`` (tests/test_engine_kinds.py checks the two agree).
+dispatches on a kind (the agent, the router, the probe, the rules, ``lorafleet up``, Ray and the
+front, which calls engines only through their backends) asks ``engine_kind(name)``. Adding a
+kind: a module beside these, its name in ``EngineKind`` and one line in ``_KINDS``
+(tests/test_engine_kinds.py checks the two agree).
 
 Imports are lazy (inside the info's callables), so reading the registry costs no backend,
 rulebook or launcher import: the router and the publisher stay light.
@@ -16,14 +17,37 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from lorafleet.protocol.agent import EngineKind
+
+PrefixCacheResult = Literal["reset", "no_prefix_cache", "not_exposed", "refused", "unreachable"]
+
+
+@dataclass(frozen=True)
+class PrefixCacheReset:
+    """What one engine did with a prefix-cache reset. ``result``: ``reset``; ``no_prefix_cache``
+    (the kind keeps none); ``not_exposed`` (the kind has the route, this server does not expose
+    it); ``refused`` (any other answer); ``unreachable`` (no answer). ``detail``: why, in words
+    (the engine's answer for ``refused``), None for ``reset`` and ``no_prefix_cache``."""
+
+    result: PrefixCacheResult
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineReply:
+    """An engine's answer to a LoRA-agnostic call (``/tokenize``), to relay as it came."""
+
+    status_code: int
+    content: bytes
+    media_type: str
 
 
 class EngineBackend(Protocol):
     """What ``make_backend`` returns (``lorafleet.agent.backends.base.EngineBackend``): the
-    agent's driver for one engine through its runtime LoRA API."""
+    driver for one engine through its public API: the agent's runtime LoRA calls, and the
+    LoRA-agnostic calls the front makes (models, prefix cache, tokenizer)."""
 
     kind: str
     url: str
@@ -32,6 +56,11 @@ class EngineBackend(Protocol):
     async def list_adapters(self) -> dict[str, str]: ...
     async def load(self, name: str, path: str, *, replace: bool = False) -> None: ...
     async def unload(self, name: str) -> None: ...
+    async def models(self, *, timeout: float = 5.0) -> list[dict[str, Any]]: ...
+    async def base_card(self, *, timeout: float = 5.0) -> dict[str, Any]: ...
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> PrefixCacheReset: ...
+    async def tokenize(self, body: dict[str, Any]) -> EngineReply: ...
+    async def detokenize(self, body: dict[str, Any]) -> EngineReply: ...
     async def aclose(self) -> None: ...
 
 
@@ -53,9 +82,13 @@ class ServerSpec(Protocol):
 
 __all__ = [
     "ENGINE_KINDS",
+    "EngineBackend",
     "EngineKind",
     "EngineKindInfo",
     "EngineOption",
+    "EngineReply",
+    "PrefixCacheReset",
+    "PrefixCacheResult",
     "address",
     "engine_kind",
     "model_field",

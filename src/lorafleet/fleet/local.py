@@ -122,26 +122,19 @@ class LocalFleet:
 
     def info(self) -> FleetInfo:
         """What ``fleet.json`` records."""
-        return FleetInfo(
-            data_dir=str(self.data_dir),
-            router_url=self.router_url,
-            control_token=self.token,
-            api_key=self.api_key,
-            model=str(self.model),
-            served_model_name=self.served_model_name,
-            replicas=[
-                ReplicaInfo(
-                    engine=r.config.engine,
-                    engine_url=r.engine_url,
-                    agent_url=r.agent.url if r.agent else "",
-                    agent_pid=r.agent.pid if r.agent else None,
-                    engine_pid=r.engine.pid if r.engine else None,
-                )
-                for r in self._replicas
-            ],
-            pid=os.getpid(),
-            router_pid=self._router.pid if self._router else None,
-            started_at=self.started_at,
+        replicas = [
+            ReplicaInfo(
+                engine=r.config.engine,
+                engine_url=r.engine_url,
+                agent_url=r.agent.url if r.agent else "",
+                agent_pid=r.agent.pid if r.agent else None,
+                engine_pid=r.engine.pid if r.engine else None,
+            )
+            for r in self._replicas
+        ]
+        router_pid = self._router.pid if self._router else None
+        return FleetInfo.of(
+            self, replicas, data_dir=str(self.data_dir), pid=os.getpid(), router_pid=router_pid
         )
 
     def write_fleet_file(self) -> Path:

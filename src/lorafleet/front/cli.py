@@ -36,7 +36,21 @@ def _dialect_names() -> list[str]:
     return list(DIALECTS)
 
 
-@click.command("front")
+def _help() -> str:
+    """The command's help: every dialect in the registry with its summary, so a dialect added
+    there is listed here without an edit."""
+    from lorafleet.front.dialects import DIALECTS
+
+    width = max(map(len, DIALECTS))
+    # "\b": click keeps the list's lines as they are instead of rewrapping them into one.
+    lines = [f"  {d.name:<{width}}  {d.summary}" for d in DIALECTS.values()]
+    return (
+        "Speak one inference server's API over a fleet: loads become publications.\n\n"
+        "\b\nDialects (--dialect):\n" + "\n".join(lines)
+    )
+
+
+@click.command("front", help=_help())
 @click.option("--agents", required=True, help="Comma-separated agent URLs, one per replica.")
 @click.option("--router", required=True, help="The lorafleet router's URL.")
 @click.option(
@@ -106,8 +120,7 @@ def command(
     log_level: str,
     **options,
 ) -> None:
-    """Speak one inference server's API over a fleet (--dialect vllm: TRL, prime-rl, AReaL;
-    sglang: AReaL): loads become publications."""
+    """Run the front (its help text is ``_help()``, built from the dialect registry)."""
     from pathlib import Path
 
     from lorafleet.front.app import create_app

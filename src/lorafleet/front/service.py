@@ -1,7 +1,9 @@
 """The front's logic, without HTTP: loads become publications, unloads retire, names map.
 
-``Front`` owns one ``AsyncPublisher`` (shared-filesystem transfer, atomic, a retention window)
-and one HTTP client to the router and the engines. ``lorafleet.front.app`` is the HTTP glue.
+``Front`` owns one ``AsyncPublisher`` (shared-filesystem transfer, atomic, a retention window),
+one HTTP client to the router and the agents, and one engine backend per replica (its kind's,
+from ``lorafleet.engine_kinds``): every engine call goes through a backend, so no engine route or
+kind is known here. ``lorafleet.front.app`` is the HTTP glue.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import ipaddress
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from lorafleet._service import check_token
 from lorafleet._settings import setting
 from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.clients.router import AsyncRouterClient
+from lorafleet.engine_kinds import EngineBackend, EngineReply, engine_kind
 from lorafleet.errors import (
     AdapterNotFound,
     BundleError,
@@ -131,7 +134,9 @@ class Front:
             timeout=httpx.Timeout(None, connect=5.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
         )
-        self.router = AsyncRouterClient(cfg.router, cfg.fleet_token, client=self.http)
+        self.router = AsyncRouterClient(
+            cfg.router, cfg.fleet_token, client=self.http, api_key=cfg.api_key
+        )
         self.router_url = cfg.router.rstrip("/")
         self.paused = False
         # AReaL's pause: holds this front's generation and aborts what is in flight (front.gate).
@@ -144,6 +149,8 @@ class Front:
         self._aliases_at = 0.0
         self._base: dict[str, Any] | None = None
         self._infos: list[AgentInfo] | None = None
+        # One backend per engine, built on first use and closed with the front.
+        self._engines: dict[tuple[str, str], EngineBackend] = {}
         self.uploads = (
             SkyRLUploads(cfg.upload_dir, cfg.upload_limits) if cfg.upload_dir is not None else None
         )
@@ -152,6 +159,9 @@ class Front:
         if self.uploads is not None:
             await self.uploads.aclose()
         await self.publisher.aclose()
+        engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            await engine.aclose()
         await self.http.aclose()
 
     # -- auth -------------------------------------------------------------------------------------
@@ -194,16 +204,20 @@ class Front:
                 self._infos = list(await asyncio.gather(*(c.info() for c in clients)))
         return self._infos
 
+    def _engine(self, info: AgentInfo) -> EngineBackend:
+        """The backend of ``info``'s engine (its kind's), built once."""
+        key = (info.capabilities.kind, info.engine_url)
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = engine_kind(info.capabilities.kind).make_backend(info.engine_url)
+            self._engines[key] = engine
+        return engine
+
     async def base_model(self) -> dict[str, Any]:
         """The base model's card as one engine reports it (id, root, max_model_len)."""
         if self._base is None:
             infos = await self.agent_infos()
-            url = infos[0].engine_url.rstrip("/") + "/v1/models"
-            with _unavailable(url):
-                r = await self.http.get(url, timeout=10.0)
-            if r.status_code != 200:
-                raise EngineUnavailable(f"{url} answered {r.status_code}")
-            card = dict(r.json()["data"][0])
+            card = dict(await self._engine(infos[0]).base_card(timeout=10.0))
             card.setdefault("root", infos[0].base_model)
             self._base = card
         return self._base
@@ -500,70 +514,67 @@ class Front:
 
     # -- engines ----------------------------------------------------------------------------------
     async def reset_prefix_caches(self, reset_running_requests: bool) -> list[dict[str, Any]]:
-        """Reset the prefix cache of every engine that has one; one outcome per replica.
+        """Reset the prefix cache of every engine that has one; one outcome per replica
+        (``{replica, kind, result[, detail]}``, the kind's ``PrefixCacheReset``).
 
-        vLLM: ``POST /reset_prefix_cache`` (a development route: it exists only with
-        ``VLLM_SERVER_DEV_MODE=1``); SGLang: ``POST /flush_cache``; the reference engine keeps no
-        cache. Never raises for one engine: a reset is an optimisation here, since every
-        lorafleet version is a distinct adapter to the engine and a cached prefix of one version
-        is never reused for another.
+        Never raises for one engine: a reset is an optimisation here, since every lorafleet
+        version is a distinct adapter to the engine and a cached prefix of one version is never
+        reused for another.
         """
         infos = await self.agent_infos()
 
         async def one(info: AgentInfo) -> dict[str, Any]:
-            kind = info.capabilities.kind
-            out: dict[str, Any] = {"replica": info.replica_id, "kind": kind}
-            base = info.engine_url.rstrip("/")
-            if kind == "reference":
-                return {**out, "result": "no_prefix_cache"}
-            if kind == "vllm":
-                url, params = (
-                    base + "/reset_prefix_cache",
-                    {"reset_running_requests": str(reset_running_requests).lower()},
-                )
-            else:
-                url, params = base + "/flush_cache", {}
-            try:
-                r = await self.http.post(url, params=params, timeout=30.0)
-            except httpx.HTTPError as exc:
-                return {**out, "result": "unreachable", "detail": str(exc)}
-            if r.status_code == 404 and kind == "vllm":
-                return {**out, "result": "not_exposed", "detail": "start vLLM with "
-                        "VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache"}  # fmt: skip
-            if r.status_code != 200:
-                return {**out, "result": "refused", "detail": r.text[:500]}
-            return {**out, "result": "reset"}
+            done = await self._engine(info).reset_prefix_cache(reset_running_requests)
+            out: dict[str, Any] = {
+                "replica": info.replica_id,
+                "kind": info.capabilities.kind,
+                "result": done.result,
+            }
+            if done.detail is not None:
+                out["detail"] = done.detail
+            return out
 
         return list(await asyncio.gather(*(one(i) for i in infos)))
 
-    async def engine_post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST ``body`` (``model`` set to the base model's name) to the first engine that
-        answers: for LoRA-agnostic calls (``/tokenize``, ``/detokenize``). Raises
-        ``EngineUnavailable`` when none answers."""
+    async def tokenize(self, body: dict[str, Any]) -> EngineReply:
+        """``/tokenize`` with the base model's tokenizer, answered by the first engine that
+        answers. Raises ``EngineUnavailable`` when none does."""
+        return await self._first_engine("/tokenize", body, lambda e, b: e.tokenize(b))
+
+    async def detokenize(self, body: dict[str, Any]) -> EngineReply:
+        """``/detokenize`` (answering ``{"prompt"}`` on every kind), like ``tokenize``."""
+        return await self._first_engine("/detokenize", body, lambda e, b: e.detokenize(b))
+
+    async def _first_engine(
+        self,
+        what: str,
+        body: dict[str, Any],
+        call: Callable[[EngineBackend, dict[str, Any]], Awaitable[EngineReply]],
+    ) -> EngineReply:
+        """``call`` on each engine in turn until one answers, with ``model`` set to the base
+        model's name: for LoRA-agnostic calls, which any replica answers the same."""
         infos = await self.agent_infos()
         base = await self.base_model()
         body = {**body, "model": base["id"]}
         last = ""
         for info in infos:
-            url = info.engine_url.rstrip("/") + path
             try:
-                return await self.http.post(url, json=body, timeout=60.0)
-            except httpx.HTTPError as exc:
-                last = f"{url}: {exc}"
-        raise EngineUnavailable(f"no engine answered {path}: {last}")
+                return await call(self._engine(info), body)
+            except EngineUnavailable as exc:
+                last = str(exc)
+        raise EngineUnavailable(f"no engine answered {what}: {last}")
 
     async def finish_session(self, session_id: str) -> dict[str, Any]:
         """End a sticky session at the router: its replica and its versions are forgotten."""
-        headers = {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         with _unavailable(self.router_url):
-            r = await self.http.post(
-                self.router_url + "/finish_session",
-                params={"session_id": session_id},
-                headers=headers,
-                timeout=10.0,
-            )
-        if r.status_code != 200:
-            raise EngineUnavailable(f"the router answered {r.status_code} to finish_session")
+            try:
+                await self.router.finish_session(session_id)
+            except ServiceError as exc:
+                # Any refusal (a wrong key, a bad id) leaves the session open at the router: the
+                # trainer is told the fleet is unavailable (503), as before the client had this.
+                raise EngineUnavailable(
+                    f"the router answered {exc.status} to finish_session"
+                ) from exc
         return {"ok": True}
 
     # -- generation -------------------------------------------------------------------------------

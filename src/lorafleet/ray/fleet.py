@@ -183,26 +183,22 @@ class RayFleet:
             got = servers.get(name) if name else None
             return got["pid"] if got else None
 
-        return FleetInfo(
+        replicas = [
+            ReplicaInfo(
+                engine=r.engine,
+                engine_url=r.engine_url,
+                agent_url=r.agent_url,
+                agent_pid=pid_of(r.agent_actor),
+                engine_pid=pid_of(r.engine_actor),
+            )
+            for r in self.replicas
+        ]
+        return FleetInfo.of(
+            self,
+            replicas,
             data_dir=data_dir or f"ray://{self.namespace}",
-            router_url=self.router_url,
-            control_token=self.token,
-            api_key=self.api_key,
-            model=str(self.model),
-            served_model_name=self.served_model_name,
-            replicas=[
-                ReplicaInfo(
-                    engine=r.engine,
-                    engine_url=r.engine_url,
-                    agent_url=r.agent_url,
-                    agent_pid=pid_of(r.agent_actor),
-                    engine_pid=pid_of(r.engine_actor),
-                )
-                for r in self.replicas
-            ],
             pid=pid,
             router_pid=pid_of(_ROUTER),
-            started_at=self.started_at,
         )
 
     def status(self):
@@ -349,26 +345,15 @@ def deploy(
             )
             for i, ((_, pg), eng) in enumerate(zip(pgs, engines, strict=True))
         ]  # fmt: skip
-        agents = ray.get([a.info.remote() for _, a in agent_actors])
-        fleet.replicas = [
-            RayReplica(
-                index=i,
-                engine=engine,
-                engine_url=eng["url"],
-                agent_url=agt["url"],
-                node_id=eng["node_id"],
-                agent_actor=agent_actors[i][0],
-                engine_actor=engine_actors[i][0],
-            )
-            for i, (eng, agt) in enumerate(zip(engines, agents, strict=True))
-        ]
-        _start_router(
-            fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {})
-        )
+        placed = [EngineOnRay(e["url"], node_id=e["node_id"], engine=engine) for e in engines]
+        return _finish(
+            fleet, placed, agent_actors, [name for name, _ in engine_actors],
+            root=root, bind=bind, router_cpus=router_cpus, max_restarts=max_restarts,
+            detached=detached, router_args=router_args,
+        )  # fmt: skip
     except BaseException:
         fleet.shutdown()
         raise
-    return fleet
 
 
 def attach_engines(
@@ -418,28 +403,56 @@ def attach_engines(
             )
             for i, eng in enumerate(engines)
         ]  # fmt: skip
-        agents = ray.get([a.info.remote() for _, a in agent_actors])
-        fleet.replicas = [
-            RayReplica(
-                index=i,
-                engine=eng.engine,
-                engine_url=eng.url.rstrip("/"),
-                agent_url=agt["url"],
-                node_id=agt["node_id"],
-                agent_actor=agent_actors[i][0],
-            )
-            for i, (eng, agt) in enumerate(zip(engines, agents, strict=True))
+        # A replica's node is its engine's; its agent is pinned there (hard affinity).
+        placed = [
+            EngineOnRay(e.url.rstrip("/"), node_id=e.node_id, engine=e.engine) for e in engines
         ]
-        _start_router(
-            fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {})
-        )
+        return _finish(
+            fleet, placed, agent_actors, [None] * len(placed),
+            root=root, bind=bind, router_cpus=router_cpus, max_restarts=max_restarts,
+            detached=detached, router_args=router_args,
+        )  # fmt: skip
     except BaseException:
         fleet.shutdown()
         raise
-    return fleet
 
 
 # -- internals ---------------------------------------------------------------------------------
+
+
+def _finish(
+    fleet: RayFleet,
+    engines: Sequence[EngineOnRay],
+    agent_actors: Sequence[tuple[str, Any]],
+    engine_actors: Sequence[str | None],
+    *,
+    root: str,
+    bind: str,
+    router_cpus: float,
+    max_restarts: int,
+    detached: bool,
+    router_args: Mapping[str, Any] | None,
+) -> RayFleet:
+    """The end of ``deploy`` and ``attach_engines``: wait for the agents, record one replica per
+    engine (``engine_actors``: the engine's actor, None for an engine lorafleet only attached
+    to), then start the router and the record. The caller tears the fleet down on failure."""
+    agents = ray.get([a.info.remote() for _, a in agent_actors])
+    fleet.replicas = [
+        RayReplica(
+            index=i,
+            engine=eng.engine,
+            engine_url=eng.url,
+            agent_url=agt["url"],
+            node_id=eng.node_id,
+            agent_actor=agent_name,
+            engine_actor=engine_actor,
+        )
+        for i, (eng, agt, (agent_name, _), engine_actor) in enumerate(
+            zip(engines, agents, agent_actors, engine_actors, strict=True)
+        )
+    ]
+    _start_router(fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {}))
+    return fleet
 
 
 def _start_agent_actor(

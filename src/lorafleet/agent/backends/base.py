@@ -1,10 +1,14 @@
-"""The one interface the agent uses to drive an engine, and the errors a backend raises.
+"""The one interface lorafleet uses to drive an engine, and the errors a backend raises.
 
-A backend speaks only the engine's public runtime API. It translates the engine's answers into
-three outcomes: ``EngineUnavailable`` (no answer: protocol code ``engine_unavailable``, 503),
-``EngineRejected`` (the engine refused: ``engine_rejected``, 502, carrying the engine's message)
-and ``AdapterMissing`` (the engine does not know the name; unload treats it as already done).
-The first two are ``lorafleet.errors`` classes, so they reach the agent's clients as they are.
+A backend speaks only the engine's public API: the runtime LoRA calls the agent makes, and the
+LoRA-agnostic calls the front makes (``models``, ``reset_prefix_cache``, ``tokenize``), so no
+route or answer of an engine is known outside its kind's backend. It translates the engine's
+answers into three outcomes: ``EngineUnavailable`` (no answer: protocol code
+``engine_unavailable``, 503), ``EngineRejected`` (the engine refused: ``engine_rejected``, 502,
+carrying the engine's message) and ``AdapterMissing`` (the engine does not know the name; unload
+treats it as already done). The first two are ``lorafleet.errors`` classes, so they reach the
+agent's clients as they are. A prefix-cache reset never raises: its outcome is a
+``PrefixCacheReset``.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from lorafleet._http import async_client, error_message
+from lorafleet.engine_kinds import EngineReply, PrefixCacheReset
 from lorafleet.errors import EngineRejected, EngineUnavailable, LorafleetError
 from lorafleet.protocol.agent import EngineCapabilities
 
@@ -25,7 +31,9 @@ __all__ = [
     "EngineBackend",
     "EngineProbe",
     "EngineRejected",
+    "EngineReply",
     "EngineUnavailable",
+    "PrefixCacheReset",
     "json_dict",
 ]
 
@@ -90,12 +98,60 @@ class EngineBackend(ABC):
     async def unload(self, name: str) -> None:
         """Remove ``name``. Raises ``AdapterMissing`` if the engine does not know it."""
 
-    async def _models(self) -> list[dict]:
+    @abstractmethod
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> PrefixCacheReset:
+        """Empty the engine's prefix cache (``reset_running_requests``: also the cache of the
+        requests in flight, where the kind tells them apart). Never raises."""
+
+    async def models(self, *, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The cards ``GET /v1/models`` lists (each has an ``id``; an adapter's has a ``parent``).
+        Raises ``EngineUnavailable``."""
         with map_transport(self.url):
-            r = await self.http.get("/v1/models", timeout=5.0)
+            r = await self.http.get("/v1/models", timeout=timeout)
         if r.status_code != 200:
             raise EngineUnavailable(f"GET /v1/models answered {r.status_code}: {error_message(r)}")
         data = json_dict(r).get("data")
         if not isinstance(data, list):
             raise EngineUnavailable(f"GET /v1/models answered no model list: {r.text[:200]!r}")
         return [c for c in data if isinstance(c, dict) and "id" in c]
+
+    async def base_card(self, *, timeout: float = 5.0) -> dict[str, Any]:
+        """The base model's card in ``/v1/models`` (the first without a ``parent``: id, root,
+        max_model_len where the engine says). Raises ``EngineUnavailable``."""
+        for card in await self.models(timeout=timeout):
+            if not card.get("parent"):
+                return card
+        raise EngineUnavailable("engine lists no base model in /v1/models")
+
+    async def tokenize(self, body: dict[str, Any]) -> EngineReply:
+        """``POST /tokenize`` (vLLM's body; SGLang answers the same route), relayed as it came.
+        Raises ``EngineUnavailable`` when the engine does not answer."""
+        return await self._relay("/tokenize", body)
+
+    async def detokenize(self, body: dict[str, Any]) -> EngineReply:
+        """``POST /detokenize`` -> ``{"prompt"}`` (vLLM's answer), relayed as it came. Raises
+        ``EngineUnavailable`` when the engine does not answer."""
+        return await self._relay("/detokenize", body)
+
+    async def _relay(self, route: str, body: dict[str, Any]) -> EngineReply:
+        with map_transport(self.url):
+            r = await self.http.post(route, json=body, timeout=60.0)
+        return EngineReply(
+            r.status_code, r.content, r.headers.get("content-type", "application/json")
+        )
+
+    async def _post_reset(
+        self, route: str, params: dict[str, str], *, not_exposed: str | None = None
+    ) -> PrefixCacheReset:
+        """POST ``route``: 200 is ``reset``, no answer ``unreachable``. A 404 is ``not_exposed``
+        (with ``not_exposed`` as its detail) where the kind's servers may hide the route, else
+        ``refused`` like any other answer."""
+        try:
+            r = await self.http.post(route, params=params, timeout=30.0)
+        except httpx.HTTPError as exc:
+            return PrefixCacheReset("unreachable", str(exc))
+        if r.status_code == 404 and not_exposed is not None:
+            return PrefixCacheReset("not_exposed", not_exposed)
+        if r.status_code != 200:
+            return PrefixCacheReset("refused", r.text[:500])
+        return PrefixCacheReset("reset")

@@ -1,7 +1,8 @@
 """The embedded reference engine (``lorafleet engine``): vLLM's dialect plus ``/v1/engine_info``.
 
 ``GET /v1/engine_info`` -> ``{"model", "max_loras", "max_lora_rank", "adapters"}`` tells the agent
-the engine's real limits, so the agent refuses what the engine would refuse before loading.
+the engine's real limits, so the agent refuses what the engine would refuse before loading. It
+keeps no prefix cache (each request runs whole), so a reset has nothing to do.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from lorafleet._http import error_message
 from lorafleet.agent.backends.base import (
     EngineProbe,
     EngineUnavailable,
+    PrefixCacheReset,
     json_dict,
     map_transport,
 )
@@ -42,3 +44,6 @@ class ReferenceBackend(VLLMBackend):
             unload_frees_slot=True,
         )
         return EngineProbe(base_model=str(info.get("model") or "unknown"), capabilities=caps)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> PrefixCacheReset:
+        return PrefixCacheReset("no_prefix_cache")

