@@ -6,6 +6,7 @@ inference key. Format (``format`` is bumped on incompatible changes)::
     {
       "format": 1, "pid": 4242, "started_at": 1700000000.0, "data_dir": "/abs/.lorafleet",
       "router_url": "http://127.0.0.1:PORT", "router_pid": 4250,
+      "dataplane_url": "http://127.0.0.1:PORT" | null,   # data-plane copies, if any
       "control_token": "...", "api_key": "..." | null,
       "model": "/abs/model", "served_model_name": "tiny",
       "replicas": [{"engine": "reference", "engine_url": "...", "engine_pid": 4243 | null,
@@ -87,6 +88,8 @@ class FleetInfo:
     pid: int | None = None
     router_pid: int | None = None
     started_at: float | None = None
+    dataplane_url: str | None = None
+    """Where clients send generation when the fleet runs data-plane copies (None: the router)."""
     format: int = FORMAT
 
     @classmethod
@@ -112,11 +115,17 @@ class FleetInfo:
             pid=pid,
             router_pid=router_pid,
             started_at=fleet.started_at,
+            dataplane_url=getattr(fleet, "dataplane_url", None),
         )
 
     @property
     def agent_urls(self) -> list[str]:
         return [r.agent_url for r in self.replicas]
+
+    @property
+    def inference_url(self) -> str:
+        """Where clients send generation: the data-plane copies, else the router."""
+        return self.dataplane_url or self.router_url
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

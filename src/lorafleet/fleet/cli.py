@@ -135,7 +135,12 @@ def _print_banner(console: Console, fleet: LocalFleet, path: Path) -> None:
     t = Table(title="lorafleet is up", show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value")
-    t.add_row("router (OpenAI API)", fleet.router_url + "/v1")
+    if fleet.dataplane_url is not None:
+        copies = fleet.config.router.copies
+        t.add_row(f"data plane, {copies} copies (OpenAI API)", fleet.dataplane_url + "/v1")
+        t.add_row("router (control plane)", fleet.router_url)
+    else:
+        t.add_row("router (OpenAI API)", fleet.router_url + "/v1")
     t.add_row("inference API key", fleet.api_key or "(none)")
     t.add_row("control token", fleet.token)
     for i, (agent, engine) in enumerate(zip(fleet.agent_urls, fleet.engine_urls, strict=True)):

@@ -14,6 +14,8 @@ api_key = "..."                # inference key for the router; default generated
 
 [router]
 port = 8000                    # default: a free port
+copies = 2                     # data-plane copies on one socket (default 0: the router serves)
+data_port = 8100               # where the copies listen (default: a free port)
 
 [[replica]]                    # lorafleet starts a reference engine and its agent
 engine = "reference"
@@ -96,9 +98,14 @@ class ReplicaConfig(_Model):
 
 
 class RouterSection(_Model):
-    """``[router]``."""
+    """``[router]``: the control plane, and its data-plane copies (docs/router.md)."""
 
     port: int = _Port
+    copies: int = Field(default=0, ge=0, le=256)
+    """Data-plane copies (``lorafleet dataplane --workers``) clients go to; 0: the router's
+    own in-process data plane serves them."""
+    data_port: int = _Port
+    """Where the copies listen (one socket they share)."""
 
 
 class FleetConfig(_Model):

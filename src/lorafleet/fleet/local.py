@@ -26,6 +26,7 @@ from filelock import BaseFileLock
 
 from lorafleet._dirlock import lock_directory
 from lorafleet.agent.spec import AgentSpec
+from lorafleet.dataplane.spec import DataPlaneSpec
 from lorafleet.engine.spec import ReferenceEngineSpec
 from lorafleet.fleet.config import FleetConfig, ReplicaConfig
 from lorafleet.fleetfile import (
@@ -85,6 +86,7 @@ class LocalFleet:
         self._launcher = Launcher(self.data_dir / "logs")
         self._replicas: list[_Replica] = []
         self._router: Server[RouterSpec] | None = None
+        self._dataplane: Server[DataPlaneSpec] | None = None
         self._lock: BaseFileLock | None = None
         self.model: Path | None = None
         self.started_at: float | None = None
@@ -101,6 +103,16 @@ class LocalFleet:
         return self._router.url
 
     @property
+    def dataplane_url(self) -> str | None:
+        """Where the data-plane copies serve (None: the fleet runs none)."""
+        return self._dataplane.url if self._dataplane is not None else None
+
+    @property
+    def inference_url(self) -> str:
+        """Where clients send generation: the data-plane copies, else the router."""
+        return self.dataplane_url or self.router_url
+
+    @property
     def agent_urls(self) -> list[str]:
         return [r.agent.url for r in self._replicas if r.agent is not None]
 
@@ -114,8 +126,8 @@ class LocalFleet:
 
     @property
     def processes(self) -> list[ManagedProcess]:
-        """Every process this fleet runs, router first."""
-        servers: list[Server] = [self._router] if self._router else []
+        """Every process this fleet runs, data plane and router first."""
+        servers: list[Server] = [s for s in (self._dataplane, self._router) if s is not None]
         for r in self._replicas:
             servers += [s for s in (r.agent, r.engine) if s is not None]
         return [s.proc for s in servers]
@@ -193,6 +205,21 @@ class LocalFleet:
         )
         self._on_event(f"starting router on {self._router.url}")
         self._launcher.wait_ready(self._router)
+        copies = self.config.router.copies
+        if copies:
+            self._dataplane = self._launcher.spawn(
+                DataPlaneSpec(
+                    control_url=self._router.url,
+                    token=self.token,
+                    api_key=self.api_key,
+                    workers=copies,
+                    host=self.host,
+                    port=self.config.router.data_port,
+                    ready_timeout=_ROUTER_TIMEOUT,
+                )
+            )
+            self._on_event(f"starting {copies} data-plane copies on {self._dataplane.url}")
+            self._launcher.wait_ready(self._dataplane)
 
     def _start_engines(self) -> None:
         for r in self._replicas:

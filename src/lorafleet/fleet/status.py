@@ -43,6 +43,9 @@ class FleetStatus:
     replicas: list[ReplicaView]
     aliases: list[dict[str, Any]]
     inflight_total: int | None
+    copies: list[dict[str, Any]] = field(default_factory=list)
+    """The router's data-plane copies (``CopyStatus``): table seq, current or fenced, load."""
+    table_seq: int | None = None
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -116,6 +119,11 @@ def collect_status(info: FleetInfo) -> FleetStatus:
                 if seen is not None:
                     view.inflight = int(seen.get("inflight", 0))
                     view.replica_id = view.replica_id or seen.get("replica_id")
+        copies: list[dict[str, Any]] = []
+        table_seq = None
+        listed = _get(client, info.router_url + "/v1/control/copies", errors, headers=auth)
+        if listed is not None and listed.status_code == 200:
+            copies, table_seq = listed.json().get("copies", []), listed.json().get("seq")
         metrics = _get(client, info.router_url + "/metrics", errors)
         if metrics is not None and metrics.status_code == 200:
             gauges = _inflight_from_metrics(metrics.text)
@@ -133,6 +141,8 @@ def collect_status(info: FleetInfo) -> FleetStatus:
         replicas=replicas,
         aliases=aliases,
         inflight_total=inflight_total,
+        copies=copies,
+        table_seq=table_seq,
         errors=errors,
     )
 
@@ -149,6 +159,8 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
     fleet.add_column("key", style="bold")
     fleet.add_column("value")
     fleet.add_row("router", f"{status.router_url}  {_yes(status.router_healthy)}")
+    if info.dataplane_url:
+        fleet.add_row("data plane", f"{info.dataplane_url} ({len(status.copies)} copies)")
     fleet.add_row("supervisor pid", f"{status.up_pid} ({'running' if status.up_alive else 'gone'})")
     fleet.add_row("data dir", info.data_dir)
     fleet.add_row("base model", f"{info.served_model_name} ({info.model})")
@@ -202,6 +214,31 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
         )
 
     out: list[Any] = [fleet, replicas, adapters, active]
+    if status.copies:
+        # The data plane as clients reach it: each copy routes by the table seq it acknowledged.
+        copies = Table(
+            title=f"data-plane copies (table seq {status.table_seq})", title_justify="left"
+        )
+        for col in ("copy", "url", "table", "state", "in-flight", "replicas up", "requests"):
+            copies.add_column(col, overflow="fold")
+        for c in status.copies:
+            state = (
+                "[red]fenced[/red]"
+                if c["fenced"]
+                else "[green]current[/green]"
+                if c["current"]
+                else f"[yellow]silent {c['last_sync_s']:.1f}s[/yellow]"
+            )
+            copies.add_row(
+                c["copy_id"],
+                str(c.get("url") or "-"),
+                str(c["acked"]),
+                state,
+                str(c["inflight"]),
+                str(c["healthy_replicas"]),
+                str(c["requests"]),
+            )
+        out.append(copies)
     lagging = [
         (a["name"], rid, lag) for a in status.aliases for rid, lag in a.get("lagging", {}).items()
     ]
