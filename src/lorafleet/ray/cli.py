@@ -43,6 +43,7 @@ def up_on_ray(console: Console, config: FleetConfig, address: str | None, namesp
             namespace=namespace,
             token=config.control_token,
             api_key=config.api_key,
+            copies_per_node=config.router.copies,
         )
         path = fleet.write_fleet_file(data_dir, pid=os.getpid())
         _print_banner(console, fleet, path)
@@ -77,7 +78,11 @@ def _print_banner(console: Console, fleet: RayFleet, path: Path) -> None:
     t = Table(title="lorafleet is up on Ray", show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value")
-    t.add_row("router (OpenAI API)", fleet.router_url + "/v1")
+    if fleet.dataplane_urls:
+        t.add_row("data plane (OpenAI API)", ", ".join(u + "/v1" for u in fleet.dataplane_urls))
+        t.add_row("router (control plane)", fleet.router_url)
+    else:
+        t.add_row("router (OpenAI API)", fleet.router_url + "/v1")
     t.add_row("inference API key", fleet.api_key or "(none)")
     t.add_row("control token", fleet.token)
     for r in fleet.replicas:

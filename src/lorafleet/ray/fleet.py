@@ -8,8 +8,12 @@ What runs where:
 - each actor is a ``ServerActor``: it launches its server (``lorafleet engine|agent|router`` or a
   real vLLM/SGLang server) as a subprocess with the ``lorafleet.launch`` specs, listening on the
   node's address;
-- one router actor and one small ``FleetRecord`` actor that remembers the fleet (URLs, tokens,
-  actor names), so ``attach(namespace)`` needs no URL list; both prefer the head node (soft).
+- one router actor (the control plane) and one small ``FleetRecord`` actor that remembers the
+  fleet (URLs, tokens, actor names), so ``attach(namespace)`` needs no URL list; both prefer the
+  head node (soft);
+- with ``copies_per_node``, data-plane copies on every alive node (``lorafleet dataplane``, one
+  actor per node, pinned there): clients reach any of them, through a balancer or a DNS name
+  over ``RayFleet.dataplane_urls``; each keeps serving when the router actor is down.
 
 Every actor is named in the fleet's namespace and restarted by Ray when its process dies
 (``max_restarts``); a restarted actor takes its server's port again. When a node dies, Ray
@@ -40,6 +44,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from lorafleet.agent.spec import AgentSpec
+from lorafleet.dataplane.spec import DataPlaneSpec
 from lorafleet.engine_kinds import ENGINE_KINDS, engine_kind
 from lorafleet.fleetfile import FleetInfo, ReplicaInfo, write_fleet_file
 from lorafleet.publisher import Publisher
@@ -95,6 +100,8 @@ class RayFleet:
     replicas: list[RayReplica]
     placement_groups: list[str] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
+    dataplane: dict[str, str] = field(default_factory=dict)
+    """Data-plane copies: actor name -> URL (one per node; empty: the router serves)."""
 
     # -- finding it again ------------------------------------------------------------------
     def to_record(self) -> dict[str, Any]:
@@ -108,6 +115,7 @@ class RayFleet:
             "replicas": [vars(r).copy() for r in self.replicas],
             "placement_groups": list(self.placement_groups),
             "started_at": self.started_at,
+            "dataplane": dict(self.dataplane),
         }
 
     @classmethod
@@ -120,6 +128,17 @@ class RayFleet:
     @property
     def agent_urls(self) -> list[str]:
         return [r.agent_url for r in self.replicas]
+
+    @property
+    def dataplane_urls(self) -> list[str]:
+        """Every data-plane copy's URL (one per node): put a balancer or DNS name over them."""
+        return sorted(self.dataplane.values())
+
+    @property
+    def dataplane_url(self) -> str | None:
+        """One copy's URL, for ``fleet.json`` (None: the router serves the data plane)."""
+        urls = self.dataplane_urls
+        return urls[0] if urls else None
 
     @property
     def engine_urls(self) -> list[str]:
@@ -135,6 +154,7 @@ class RayFleet:
             except (ray.exceptions.RayError, TimeoutError):
                 return self
             self.router_url, self.replicas = now.router_url, now.replicas
+            self.dataplane = now.dataplane
         return self
 
     def publisher(self, **kwargs: Any) -> Publisher:
@@ -164,7 +184,7 @@ class RayFleet:
 
     def servers(self, timeout: float = 10.0) -> dict[str, dict[str, Any] | None]:
         """Each actor's ``info()`` by actor name (None: the actor does not answer)."""
-        names = [_ROUTER]
+        names = [_ROUTER, *self.dataplane]
         for r in self.replicas:
             names += [n for n in (r.agent_actor, r.engine_actor) if n is not None]
         out: dict[str, dict[str, Any] | None] = {}
@@ -217,7 +237,7 @@ class RayFleet:
     def shutdown(self) -> None:
         """Stop the router, the agents and the engines lorafleet runs (never attached engines),
         remove the placement groups and forget the fleet. Idempotent."""
-        names = [_ROUTER]
+        names = [*self.dataplane, _ROUTER]
         names += [r.agent_actor for r in self.replicas]
         names += [r.engine_actor for r in self.replicas if r.engine_actor]
         _kill_actors(names, self.namespace)
@@ -268,6 +288,8 @@ def deploy(
     detached: bool = True,
     router_args: Mapping[str, Any] | None = None,
     pg_timeout: float = 120.0,
+    copies_per_node: int = 0,
+    copy_cpus: float = 0.25,
 ) -> RayFleet:
     """Deploy ``n_replicas`` engines, an agent beside each and a router onto the Ray cluster this
     process is connected to (``ray.init`` first). See the module docstring for the placement.
@@ -280,6 +302,8 @@ def deploy(
     router and the router's inference key; None generates them (``api_key=""``: open data plane).
     ``workdir``: on every node, logs, agent stores and router state under
     ``workdir/namespace``. ``bind="node"``: servers listen on their node's Ray address.
+    ``copies_per_node``: data-plane copies on every alive node (workers of one
+    ``lorafleet dataplane`` per node, ``copy_cpus`` each), kept current by the router.
 
     Raises ``ValueError`` if ``namespace`` already holds a fleet; anything started is torn down
     when a later step fails.
@@ -349,7 +373,8 @@ def deploy(
         return _finish(
             fleet, placed, agent_actors, [name for name, _ in engine_actors],
             root=root, bind=bind, router_cpus=router_cpus, max_restarts=max_restarts,
-            detached=detached, router_args=router_args,
+            detached=detached, router_args=router_args, copies_per_node=copies_per_node,
+            copy_cpus=copy_cpus,
         )  # fmt: skip
     except BaseException:
         fleet.shutdown()
@@ -372,6 +397,8 @@ def attach_engines(
     max_restarts: int = 3,
     detached: bool = True,
     router_args: Mapping[str, Any] | None = None,
+    copies_per_node: int = 0,
+    copy_cpus: float = 0.25,
 ) -> RayFleet:
     """Put an agent beside each engine a trainer already runs (on the engine's node, by node
     affinity) and a router over them; the fleet is found later with ``attach(namespace)``.
@@ -410,7 +437,8 @@ def attach_engines(
         return _finish(
             fleet, placed, agent_actors, [None] * len(placed),
             root=root, bind=bind, router_cpus=router_cpus, max_restarts=max_restarts,
-            detached=detached, router_args=router_args,
+            detached=detached, router_args=router_args, copies_per_node=copies_per_node,
+            copy_cpus=copy_cpus,
         )  # fmt: skip
     except BaseException:
         fleet.shutdown()
@@ -432,6 +460,8 @@ def _finish(
     max_restarts: int,
     detached: bool,
     router_args: Mapping[str, Any] | None,
+    copies_per_node: int = 0,
+    copy_cpus: float = 0.25,
 ) -> RayFleet:
     """The end of ``deploy`` and ``attach_engines``: wait for the agents, record one replica per
     engine (``engine_actors``: the engine's actor, None for an engine lorafleet only attached
@@ -451,7 +481,16 @@ def _finish(
             zip(engines, agents, agent_actors, engine_actors, strict=True)
         )
     ]
-    _start_router(fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {}))
+    if copies_per_node:
+        # The copies sync from the router before it is recorded, so they go in the record too.
+        _start_router(fleet, root, bind, router_cpus, max_restarts, detached,
+                      dict(router_args or {}), record=False)  # fmt: skip
+        _start_copies(fleet, root, bind, copies_per_node, copy_cpus, max_restarts, detached)
+        _start_record(fleet, root, detached)
+    else:
+        _start_router(
+            fleet, root, bind, router_cpus, max_restarts, detached, dict(router_args or {})
+        )
     return fleet
 
 
@@ -530,6 +569,8 @@ def _start_router(
     max_restarts: int,
     detached: bool,
     router_args: dict[str, Any],
+    *,
+    record: bool = True,
 ) -> None:
     spec = RouterSpec(
         agents=tuple(fleet.agent_urls),
@@ -548,6 +589,46 @@ def _start_router(
         scheduling_strategy=_head_node(),
     ).remote(spec, f"{root}/router", bind, seat=Seat(fleet.namespace, "router"))
     fleet.router_url = ray.get(router.info.remote())["url"]
+    if record:
+        _start_record(fleet, root, detached)
+
+
+def _start_copies(
+    fleet: RayFleet,
+    root: str,
+    bind: str,
+    workers: int,
+    cpus: float,
+    max_restarts: int,
+    detached: bool,
+) -> None:
+    """``lorafleet dataplane --workers N`` on every alive node, pinned there (hard affinity: a
+    copy belongs to its node; Ray restarts it there, on the same port)."""
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    actors = []
+    for node in nodes:
+        spec = DataPlaneSpec(
+            control_url=fleet.router_url,
+            token=fleet.token,
+            api_key=fleet.api_key,
+            workers=workers,
+            name="dataplane",
+        )
+        name = f"lorafleet-dataplane-{node[:12]}"
+        actor = _ServerActor.options(
+            name=name,
+            namespace=fleet.namespace,
+            lifetime="detached" if detached else None,
+            num_cpus=cpus,
+            max_restarts=max_restarts,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(spec, f"{root}/dataplane", bind)
+        actors.append((name, actor))
+    infos = ray.get([a.info.remote() for _, a in actors])
+    fleet.dataplane = {name: info["url"] for (name, _), info in zip(actors, infos, strict=True)}
+
+
+def _start_record(fleet: RayFleet, root: str, detached: bool) -> None:
     record = _FleetRecord.options(
         name=RECORD,
         namespace=fleet.namespace,
