@@ -13,12 +13,12 @@ not hold the version (``hand_on``).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
+import orjson
 
 from lorafleet._service import check_token, send_error
 from lorafleet.dataplane.aborts import LiveRequests
@@ -307,8 +307,8 @@ class Pipeline(Addressing):
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(body)
-    except ValueError as exc:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"body is not JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise InvalidRequest("body must be a JSON object")

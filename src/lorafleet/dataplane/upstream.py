@@ -44,7 +44,8 @@ def client_session(**connector: object) -> aiohttp.ClientSession:
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, **connector),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
+        # Headers no engine reads: not built for every request.
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
     )
 
 

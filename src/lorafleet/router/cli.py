@@ -84,6 +84,11 @@ def command(
             access_log=False,
             log_level=log_level,
             timeout_keep_alive=60,
+            # The data plane's per-request work: no X-Forwarded-* rewriting (nothing here trusts
+            # a client's address), no Server or Date header to build for every answer.
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
         )
     finally:
         if lock is not None:
