@@ -1,18 +1,23 @@
-"""Router overhead (issue 7): lorafleet router vs the Rust ``vllm-router``, same run and backend.
+"""Router overhead: lorafleet's data plane vs the Rust routers, same run, same backend.
 
-Starts a canned-answer OpenAI backend and a stub agent (so the lorafleet router can discover the
-replica) in this process, then measures ``/v1/completions`` directly, through ``vllm-router`` and
-through ``lorafleet router``, alternating, at each concurrency. The lorafleet router is measured
-twice: base-model routing (bytes passed through) and alias routing (``model=policy`` resolved to
-``policy@v1``, body rewritten, response tagged). Based on the project's router-overhead anchor.
+Starts a canned-answer OpenAI backend and a stub agent (so lorafleet can discover the replica)
+in this process, then measures ``/v1/completions`` directly (the machine's own limit for this
+backend), through ``vllm-router`` and SGLang's ``sglang-router`` (both Rust), through the
+``lorafleet router`` process (base-model routing, bytes passed through; and alias routing,
+``model=policy`` resolved to ``policy@v1``, the engine name spliced in, the answer tagged), and
+through ``lorafleet dataplane`` copies of that router (``--workers`` 1, 2, 4 on one socket),
+alternating, at each concurrency. Load comes from ``wrk`` when it is on PATH (a C load generator:
+it leaves the cores to what is measured), else from aiohttp in this process.
 
-    .venv/bin/python bench/router_overhead.py [--n 2000] [--c 1,16,128] [--rounds 2]
+    .venv/bin/python bench/router_overhead.py [--n 2000] [--c 1,16,128] [--rounds 2] \
+        [--copies 1,2,4] [--seconds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -101,6 +106,43 @@ async def load(url: str, n: int, c: int, model: str) -> tuple[float, float, floa
     return lat[len(lat) // 2], lat[int(len(lat) * 0.99) - 1], n / wall
 
 
+_WRK_LUA = """
+wrk.method = "POST"
+wrk.body = '{"model": "%s", "prompt": "hi", "max_tokens": 1}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def _ms(text: str) -> float:
+    unit = text.rstrip("0123456789.")
+    value = float(text[: len(text) - len(unit)])
+    return value * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+
+
+def wrk_load(url: str, c: int, model: str, seconds: float) -> tuple[float, float, float]:
+    """(p50 s, p99 s, requests/s) of ``c`` connections for ``seconds``, measured by wrk."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(_WRK_LUA % model)
+    out = subprocess.run(
+        ["wrk", f"-t{min(2, c)}", f"-c{c}", f"-d{seconds}s", "--latency", "-s", f.name,
+         url + "/v1/completions"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    os.unlink(f.name)
+    lat = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in ("50%", "99%"):
+            lat[parts[0]] = _ms(parts[1]) / 1e3
+        if line.startswith("Requests/sec:"):
+            rps = float(line.split()[1])
+        if "Non-2xx" in line or "Socket errors" in line:
+            raise SystemExit(f"{url}: {line.strip()}")
+    return lat["50%"], lat["99%"], rps
+
+
 async def wait_up(url: str, model: str, secs: float = 30) -> None:
     async with aiohttp.ClientSession() as s:
         deadline = time.monotonic() + secs
@@ -121,74 +163,84 @@ def venv_bin(name: str) -> str:
     return here if os.path.exists(here) else (shutil.which(name) or name)
 
 
+def spawn(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--n", type=int, default=2000, help="requests per measure (aiohttp load)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measure (wrk load)")
     ap.add_argument("--c", default="1,16,128")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--copies", default="1,2,4", help="workers of lorafleet dataplane to measure")
     a = ap.parse_args()
-    bport, aport, vport, lport = free_port(), free_port(), free_port(), free_port()
+    use_wrk = shutil.which("wrk") is not None
+    bport, aport, vport, sport, lport = (free_port() for _ in range(5))
     runners = await start_backend(bport, aport)
     backend = f"http://127.0.0.1:{bport}"
     procs = [
-        subprocess.Popen(
-            [
-                venv_bin("vllm-router"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(vport),
-                "--worker-urls",
-                backend,
-                "--policy",
-                "round_robin",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        ),
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lorafleet",
-                "router",
-                "--agents",
-                f"http://127.0.0.1:{aport}",
-                "--port",
-                str(lport),
-                "--control-token",
-                "bench",
-                "--health-interval",
-                "2",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        ),
-    ]
+        # Each Rust router exports Prometheus metrics on port 29000 by default: one each.
+        spawn([venv_bin("vllm-router"), "--host", "127.0.0.1", "--port", str(vport),
+               "--worker-urls", backend, "--policy", "round_robin",
+               "--prometheus-port", str(free_port())]),
+        spawn([sys.executable, "-m", "lorafleet", "router", "--agents",
+               f"http://127.0.0.1:{aport}", "--port", str(lport), "--control-token", "bench",
+               "--health-interval", "2"]),
+    ]  # fmt: skip
+    targets = [("direct", backend, "tiny"), ("vllm-router", f"http://127.0.0.1:{vport}", "tiny")]
+    if shutil.which(venv_bin("sglang-router")):
+        procs.append(
+            spawn([venv_bin("sglang-router"), "launch", "--host", "127.0.0.1", "--port",
+                   str(sport), "--worker-urls", backend, "--policy", "round_robin",
+                   "--disable-health-check", "--log-level", "error",
+                   "--prometheus-port", str(free_port())])
+        )  # fmt: skip
+        targets.append(("sglang-router", f"http://127.0.0.1:{sport}", "tiny"))
+    lr = f"http://127.0.0.1:{lport}"
+    targets += [("lorafleet base", lr, "tiny"), ("lorafleet alias", lr, "policy")]
+    for workers in [int(x) for x in a.copies.split(",") if x]:
+        port = free_port()
+        procs.append(
+            spawn([sys.executable, "-m", "lorafleet", "dataplane", "--control", lr,
+                   "--control-token", "bench", "--port", str(port), "--workers", str(workers),
+                   "--health-interval", "2"])
+        )  # fmt: skip
+        targets.append((f"lorafleet {workers} cop{'y' if workers == 1 else 'ies'}",
+                        f"http://127.0.0.1:{port}", "policy"))  # fmt: skip
     try:
-        vr, lr = f"http://127.0.0.1:{vport}", f"http://127.0.0.1:{lport}"
-        await wait_up(vr, "tiny")
+        for _, url, model in targets[:2]:
+            await wait_up(url, model)
         await wait_up(lr, "tiny")
         async with aiohttp.ClientSession() as s:
             body = {"version": 1, "engine_name": "policy@v1", "replicas": ["r0"]}
             hdr = {"Authorization": "Bearer bench"}
             async with s.put(lr + "/v1/control/aliases/policy", json=body, headers=hdr) as r:
                 assert r.status == 200, await r.text()
-        targets = [
-            ("direct", backend, "tiny"),
-            ("vllm-router", vr, "tiny"),
-            ("lorafleet base", lr, "tiny"),
-            ("lorafleet alias", lr, "policy"),
-        ]
+        for name, url, model in targets:
+            try:
+                await wait_up(url, model, secs=60)
+            except SystemExit:
+                raise SystemExit(f"{name} ({url}) never answered") from None
+        loader = "wrk" if use_wrk else "aiohttp in this process"
+        cores = os.cpu_count()
+        print(f"load: {loader}; {cores} cores share the load, the backend and what is measured")
+
+        async def measure(url: str, c: int, model: str) -> tuple[float, float, float]:
+            if use_wrk:
+                return await asyncio.to_thread(wrk_load, url, c, model, a.seconds)
+            return await load(url, a.n, c, model)
+
         for c in [int(x) for x in a.c.split(",")]:
             for _, url, model in targets:
-                await load(url, 200, c, model)  # warm
+                await (asyncio.to_thread(wrk_load, url, c, model, 1.0) if use_wrk
+                       else load(url, 200, c, model))  # warm  # fmt: skip
             res: dict[str, list] = {t[0]: [] for t in targets}
             for _ in range(a.rounds):
                 for name, url, model in targets:
-                    res[name].append(await load(url, a.n, c, model))
+                    res[name].append(await measure(url, c, model))
             med = {
                 k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in res.items()
             }
@@ -197,14 +249,15 @@ async def main() -> None:
             for name, _, _ in targets[1:]:
                 m = med[name]
                 print(
-                    f"  {name:16s} p50 {m[0] * 1e3:.2f} ms p99 {m[1] * 1e3:.2f} ms {m[2]:.0f} req/s"
+                    f"  {name:18s} p50 {m[0] * 1e3:.2f} ms p99 {m[1] * 1e3:.2f} ms {m[2]:.0f} req/s"
                     f" | added p50 {(m[0] - d[0]) * 1e3:+.2f} ms p99 {(m[1] - d[1]) * 1e3:+.2f} ms,"
                     f" throughput ratio {m[2] / d[2]:.2f}"
                 )
             sys.stdout.flush()
     finally:
         for p in procs:
-            os.killpg(p.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
             p.wait()
         for r in runners:
             await r.cleanup()
