@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -40,10 +41,16 @@ CANNED = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held together while chosen, so none comes back twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 async def start_backend(port: int, agent_port: int) -> list[web.AppRunner]:
@@ -114,9 +121,9 @@ wrk.headers["Content-Type"] = "application/json"
 
 
 def _ms(text: str) -> float:
-    unit = text.rstrip("0123456789.")
-    value = float(text[: len(text) - len(unit)])
-    return value * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+    """wrk's ``12.34ms`` / ``850.00us`` / ``1.02s`` in milliseconds."""
+    value, unit = re.fullmatch(r"([\d.]+)([a-z]+)", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
 
 
 def wrk_load(url: str, c: int, model: str, seconds: float) -> tuple[float, float, float]:
@@ -126,7 +133,7 @@ def wrk_load(url: str, c: int, model: str, seconds: float) -> tuple[float, float
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(_WRK_LUA % model)
     out = subprocess.run(
-        ["wrk", f"-t{min(2, c)}", f"-c{c}", f"-d{seconds}s", "--latency", "-s", f.name,
+        ["wrk", f"-t{min(2, c)}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--latency", "-s", f.name,
          url + "/v1/completions"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
@@ -178,14 +185,15 @@ async def main() -> None:
     ap.add_argument("--copies", default="1,2,4", help="workers of lorafleet dataplane to measure")
     a = ap.parse_args()
     use_wrk = shutil.which("wrk") is not None
-    bport, aport, vport, sport, lport = (free_port() for _ in range(5))
+    copies = [int(x) for x in a.copies.split(",") if x]
+    bport, aport, vport, sport, lport, vprom, sprom, *cports = free_ports(7 + len(copies))
     runners = await start_backend(bport, aport)
     backend = f"http://127.0.0.1:{bport}"
     procs = [
         # Each Rust router exports Prometheus metrics on port 29000 by default: one each.
         spawn([venv_bin("vllm-router"), "--host", "127.0.0.1", "--port", str(vport),
                "--worker-urls", backend, "--policy", "round_robin",
-               "--prometheus-port", str(free_port())]),
+               "--prometheus-port", str(vprom)]),
         spawn([sys.executable, "-m", "lorafleet", "router", "--agents",
                f"http://127.0.0.1:{aport}", "--port", str(lport), "--control-token", "bench",
                "--health-interval", "2"]),
@@ -196,13 +204,12 @@ async def main() -> None:
             spawn([venv_bin("sglang-router"), "launch", "--host", "127.0.0.1", "--port",
                    str(sport), "--worker-urls", backend, "--policy", "round_robin",
                    "--disable-health-check", "--log-level", "error",
-                   "--prometheus-port", str(free_port())])
+                   "--prometheus-port", str(sprom)])
         )  # fmt: skip
         targets.append(("sglang-router", f"http://127.0.0.1:{sport}", "tiny"))
     lr = f"http://127.0.0.1:{lport}"
     targets += [("lorafleet base", lr, "tiny"), ("lorafleet alias", lr, "policy")]
-    for workers in [int(x) for x in a.copies.split(",") if x]:
-        port = free_port()
+    for workers, port in zip(copies, cports, strict=True):
         procs.append(
             spawn([sys.executable, "-m", "lorafleet", "dataplane", "--control", lr,
                    "--control-token", "bench", "--port", str(port), "--workers", str(workers),
