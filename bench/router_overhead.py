@@ -132,11 +132,9 @@ def wrk_load(url: str, c: int, model: str, seconds: float) -> tuple[float, float
 
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(_WRK_LUA % model)
-    out = subprocess.run(
-        ["wrk", f"-t{min(2, c)}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--latency", "-s", f.name,
-         url + "/v1/completions"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    argv = ["wrk", f"-t{min(2, c)}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--latency"]
+    argv += ["-s", f.name, url + "/v1/completions"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
     lat = {}
     for line in out.splitlines():
