@@ -46,8 +46,15 @@ def test_a_copy_per_node_serves_while_the_router_actor_is_down(ray_cluster, ray_
         ray.kill(router, no_restart=False)
         for url in fleet.dataplane_urls:
             assert _version(url) == (200, v1)
+
+        def restarted() -> bool:
+            try:
+                return ray.get(router.info.remote(), timeout=30)["alive"]
+            except ray.exceptions.RayError:  # unavailable while Ray restarts it
+                return False
+
         wait_until(
-            lambda: ray.get(router.info.remote(), timeout=30)["alive"],
+            restarted,
             timeout=180,
             message="the router actor restarted",
         )
