@@ -39,6 +39,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from _limits import make_adapters, med, sha256_rate, write_fsync_rate
+from lorafleet.agent.config import AgentSettings
 from lorafleet.testing.raycluster import local_cluster
 from lorafleet.tinymodel import ensure_tiny_model
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
             n,
             workdir=str(work / "ray"),
             engine_args={"max_lora_rank": args.rank},
-            agent_args={"max_lora_rank": args.rank},
+            agent_args={"settings": AgentSettings(max_lora_rank=args.rank)},
             engine_cpus=1.0,
             max_restarts=0,
         )

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from lorafleet._settings import argv_for
 from lorafleet.agent.cli import command as agent_command
+from lorafleet.agent.config import AgentSettings
 from lorafleet.agent.limits import UploadLimits
 from lorafleet.agent.spec import AgentSpec
 from lorafleet.fleet.config import FleetConfigError, load_fleet_config
@@ -43,6 +44,12 @@ def test_the_fleet_file_takes_the_same_settings(tmp_path):
     path.write_text("[[replica]]\n[replica.limits]\nmax_file_bytes = 4096\nttl_s = 30\n")
     cfg = load_fleet_config(path)
     assert cfg.replicas[0].limits == UploadLimits(max_file_bytes=4096, ttl_s=30.0)
+    path.write_text("[[replica]]\n[replica.agent]\nmax_adapters = 3\nshared_fs_allow = ['/x']\n")
+    cfg = load_fleet_config(path)
+    assert cfg.replicas[0].agent == AgentSettings(max_adapters=3, shared_fs_allow=["/x"])
+    path.write_text("[[replica]]\n[replica.agent]\nmax_adapter = 3\n")
+    with pytest.raises(FleetConfigError, match="max_adapter"):
+        load_fleet_config(path)
     path.write_text("[[replica]]\n[replica.limits]\nmax_file_byte = 4096\n")
     with pytest.raises(FleetConfigError, match="max_file_byte"):
         load_fleet_config(path)
@@ -84,8 +91,9 @@ def test_each_launch_spec_field_reaches_its_setting_through_the_real_cli(tmp_pat
             data_dir=tmp_path / "data",
             token="t0ken",
             replica_id="r-7",
-            max_lora_rank=32,
-            shared_fs_allow=(tmp_path / "a", tmp_path / "b"),
+            settings=AgentSettings(
+                max_lora_rank=32, shared_fs_allow=[str(tmp_path / "a"), str(tmp_path / "b")]
+            ),
             limits=UploadLimits(max_file_bytes=1 << 20, ttl_s=5.0),
         )
         cfg = _parsed(monkeypatch, "agent", spec.argv(sock.fileno())[3:], spec.environ())

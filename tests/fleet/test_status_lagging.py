@@ -27,9 +27,7 @@ def test_status_renders_lagging_replicas():
         },
     }
     status = FleetStatus("http://r", True, None, False, [], [alias], 0)
-    info = SimpleNamespace(
-        data_dir="/d", served_model_name="tiny", model="m", dataplane_url=None
-    )
+    info = SimpleNamespace(data_dir="/d", served_model_name="tiny", model="m", dataplane_url=None)
     out = io.StringIO()
     console = Console(file=out, width=200)
     for part in render_status(status, info):  # type: ignore[arg-type]

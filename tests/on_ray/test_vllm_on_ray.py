@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from lorafleet.agent.config import AgentSettings
 from lorafleet.testing import greedy_completion, merged_greedy_ids, wait_until
 from tests.on_ray.procs import group_members
 
@@ -28,7 +29,7 @@ def fleet(ray_cluster, ray_workdir, tiny_model):
         engine="vllm",
         model=tiny_model,
         engine_args={"python": vllm_python(), "max_lora_rank": 16, "max_loras": 2},
-        agent_args={"max_lora_rank": 16},
+        agent_args={"settings": AgentSettings(max_lora_rank=16)},
         namespace=NAMESPACE,
         workdir=ray_workdir,
         api_key="",

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from lorafleet.agent.config import AgentSettings
 from lorafleet.bundle import AdapterBundle
 from lorafleet.launch import Launcher
 from lorafleet.testing import ALL_LINEAR, greedy_completion, make_peft_model, netbed
@@ -74,7 +75,7 @@ def test_relay_sends_one_copy_where_the_star_sends_four(tiny_model, tmp_path):
             tmp_path / "data",
             token=token,
             engine_kwargs={"max_lora_rank": RANK},
-            max_lora_rank=RANK,
+            settings=AgentSettings(max_lora_rank=RANK),
         )
         router = netbed.start_router(bed, launcher, replicas, token=token)
         out = netbed.run_in_netns(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafleet._settings import argv_for, flags
-from lorafleet.agent.config import AgentConfig
+from lorafleet._settings import argv_for
+from lorafleet.agent.config import AgentSettings
 from lorafleet.agent.limits import UploadLimits
 from lorafleet.launch.process import lorafleet_argv
 from lorafleet.launch.specs import SocketServerSpec
@@ -26,8 +26,8 @@ class AgentSpec(SocketServerSpec):
     """Control token; None lets the agent generate one (printed to its log)."""
     replica_id: str | None = None
     """None: the agent's host:port."""
-    max_lora_rank: int | None = None
-    shared_fs_allow: tuple[Path, ...] = ()
+    settings: AgentSettings = field(default_factory=AgentSettings)
+    """Written as flags when they differ from the agent's defaults."""
     limits: UploadLimits = field(default_factory=UploadLimits)
     """Written as flags when they differ from the agent's defaults."""
     extra: tuple[str, ...] = ()
@@ -43,12 +43,7 @@ class AgentSpec(SocketServerSpec):
         )  # fmt: skip
         if self.replica_id is not None:
             argv += ["--replica-id", self.replica_id]
-        argv += flags(
-            AgentConfig,
-            max_lora_rank=self.max_lora_rank,
-            shared_fs_allow=[str(p) for p in self.shared_fs_allow],
-        )
-        return argv + argv_for(self.limits) + list(self.extra)
+        return argv + argv_for(self.settings) + argv_for(self.limits) + list(self.extra)
 
     def environ(self) -> dict[str, str]:
         return {"LORAFLEET_CONTROL_TOKEN": self.token or "", **self.env}

@@ -38,6 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lorafleet.agent.config import AgentSettings
 from lorafleet.agent.limits import UploadLimits
 from lorafleet.engine_kinds import EngineKind, engine_kind
 
@@ -77,6 +78,8 @@ class ReplicaConfig(_Model):
     max_lora_rank: int = Field(default=64, ge=1)
     limits: UploadLimits = UploadLimits()
     """``[replica.limits]``: the agent's upload limits (``lorafleet agent`` options)."""
+    agent: AgentSettings = AgentSettings()
+    """``[replica.agent]``: the agent's other settings (``lorafleet agent`` options)."""
 
     @field_validator("url")
     @classmethod

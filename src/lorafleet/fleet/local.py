@@ -251,6 +251,7 @@ class LocalFleet:
                     token=self.token,
                     host=self.host,
                     port=r.config.agent_port,
+                    settings=r.config.agent,
                     limits=r.config.limits,
                     name=f"agent-{r.index}",
                     ready_timeout=_AGENT_TIMEOUT,

@@ -40,6 +40,7 @@ def up_on_ray(console: Console, config: FleetConfig, address: str | None, namesp
                 "max_loras": first.max_loras,
                 "max_lora_rank": first.max_lora_rank,
             },
+            agent_args={"settings": first.agent, "limits": first.limits},
             namespace=namespace,
             token=config.control_token,
             api_key=config.api_key,

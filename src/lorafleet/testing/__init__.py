@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lorafleet.agent.config import AgentSettings
 from lorafleet.agent.spec import AgentSpec
 from lorafleet.dataplane.spec import DataPlaneSpec
 from lorafleet.engine.spec import ReferenceEngineSpec
@@ -183,8 +184,9 @@ def start_agent(
             engine=kind,
             token=token or secrets.token_urlsafe(16),
             replica_id=replica_id,
-            max_lora_rank=max_lora_rank,
-            shared_fs_allow=tuple(shared_fs_allow),
+            settings=AgentSettings(
+                max_lora_rank=max_lora_rank, shared_fs_allow=[str(p) for p in shared_fs_allow]
+            ),
             extra=tuple(extra),
             port=port,
             ready_timeout=timeout,
