@@ -17,7 +17,7 @@ import time
 import click
 
 from lorafleet._settings import click_options, from_options
-from lorafleet.dataplane.config import DataPlaneConfig
+from lorafleet.dataplane.config import SERVER_OPTIONS, DataPlaneConfig
 from lorafleet.launch.listen import (
     api_key_option,
     bind_listener,
@@ -73,17 +73,8 @@ def command(
         host=host,
         port=port,
         fd=fd,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
         log_level=log_level,
-        timeout_keep_alive=60,
-        # The data plane's per-request work: no X-Forwarded-* rewriting (nothing here trusts a
-        # client's address), no Server or Date header to build for every answer.
-        proxy_headers=False,
-        server_header=False,
-        date_header=False,
+        **SERVER_OPTIONS,
     )
 
 

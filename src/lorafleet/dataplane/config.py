@@ -9,7 +9,21 @@ import click
 
 from lorafleet._settings import setting
 
-__all__ = ["DataPlaneConfig", "DataPlaneSettings"]
+__all__ = ["SERVER_OPTIONS", "DataPlaneConfig", "DataPlaneSettings"]
+
+SERVER_OPTIONS: dict[str, object] = {
+    "loop": "uvloop",
+    "http": "httptools",
+    "lifespan": "on",
+    "access_log": False,
+    "timeout_keep_alive": 60,
+    # The data plane's per-request work: no X-Forwarded-* rewriting (nothing here trusts a
+    # client's address), no Server or Date header to build for every answer.
+    "proxy_headers": False,
+    "server_header": False,
+    "date_header": False,
+}
+"""uvicorn's options for any process that serves the data plane (the router, each copy)."""
 
 
 @dataclass(kw_only=True)

@@ -46,6 +46,7 @@ def command(
 ) -> None:
     """Route OpenAI-style generation to replicas by adapter version."""
     from lorafleet._dirlock import DirectoryLocked, lock_directory
+    from lorafleet.dataplane.config import SERVER_OPTIONS
     from lorafleet.launch.listen import listen_address, serve
     from lorafleet.router.app import RouterConfig, create_app
 
@@ -78,17 +79,8 @@ def command(
             host=host,
             port=port,
             fd=fd,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            access_log=False,
             log_level=log_level,
-            timeout_keep_alive=60,
-            # The data plane's per-request work: no X-Forwarded-* rewriting (nothing here trusts
-            # a client's address), no Server or Date header to build for every answer.
-            proxy_headers=False,
-            server_header=False,
-            date_header=False,
+            **SERVER_OPTIONS,
         )
     finally:
         if lock is not None:
