@@ -303,3 +303,61 @@ def test_a_session_reused_after_its_idle_lifetime_starts_fresh(copies, tmp_path)
     finally:
         copy.stop()
         router.stop()
+
+
+def test_a_front_forwards_generation_to_the_copies(copies, tmp_path):
+    """``lorafleet front --inference``: generation goes to a copy, control to the router; a
+    session pinned through one front's copy holds through another front's copy."""
+    from lorafleet.front.service import FrontConfig
+    from tests.front.skyrl_helpers import serving
+
+    name = "pinned"  # the module's engines hold 8 adapters: session tests share one name
+    t1, t2 = (f"trajectory-{random.randrange(1 << 30)}" for _ in range(2))
+    v1 = copies.publish(name=name, keep_versions=2, sessions="pin")
+
+    def front(copy: Server):
+        return serving(
+            FrontConfig(
+                agents=copies.fleet.agent_urls,
+                router=copies.router.url,
+                inference=copy.url,
+                shared_dirs=[tmp_path],
+                fleet_token=copies.token,
+            )
+        )
+
+    def served_by(copy: Server) -> int:
+        return sum(c["requests"] for c in copies.copies() if c["url"] == copy.url)
+
+    with front(copies.a) as via_a, front(copies.b) as via_b:
+        before = served_by(copies.a)
+        status, body = _version(via_a, session=t1, model=name)
+        assert status == 200 and body["lorafleet"]["version"] == v1
+        wait_until(lambda: served_by(copies.a) > before, timeout=30, message="copy a served it")
+        v2 = copies.publish(name=name, keep_versions=2, sessions="pin")
+        status, body = _version(via_b, session=t1, model=name)
+        assert status == 200 and body["lorafleet"]["version"] == v1
+        status, body = _version(via_b, session=t2, model=name)
+        assert status == 200 and body["lorafleet"]["version"] == v2
+
+
+def test_a_session_finished_on_one_copy_ends_everywhere(copies):
+    """``/finish_session`` on a copy answers once the control plane has the end; every other
+    copy then starts the session again on the newest version."""
+    name = "pinned"
+    v1 = copies.publish(name=name, keep_versions=2, sessions="pin")
+    session = f"instance-{random.randrange(1 << 30)}_1"
+    for server in (copies.a, copies.b):
+        assert _version(server.url, session=session, model=name)[1]["lorafleet"]["version"] == v1
+    v2 = copies.publish(name=name, keep_versions=2, sessions="pin")
+    r = httpx.post(copies.a.url + "/finish_session", params={"session_id": session}, timeout=30)
+    assert r.status_code == 200
+    # The control plane took it before the answer: its own data plane starts the session fresh.
+    assert _version(copies.router.url, session=session, model=name)[1]["lorafleet"]["version"] == v2
+    wait_until(
+        lambda: (
+            _version(copies.b.url, session=session, model=name)[1]["lorafleet"]["version"] == v2
+        ),
+        timeout=30,
+        message="copy b ended the session",
+    )

@@ -44,6 +44,9 @@ log = logging.getLogger("lorafleet.dataplane")
 
 # How long startup waits for the first table before serving the base model only.
 _FIRST_SYNC_S = 10.0
+# How long /finish_session waits for the control plane to take the end (past it: ended here,
+# and everywhere once the control plane is back).
+_FLUSH_WAIT_S = 2.0
 
 
 class CopyHealth(BaseModel):
@@ -97,6 +100,7 @@ class CopyApp:
             api_key=config.api_key,
             upstream_keepalive_s=config.upstream_keepalive_s,
             gate=self.syncer,
+            on_session_end=lambda: self.syncer.flush(_FLUSH_WAIT_S),
         )
         self.poller: HealthPoller | None = None
         self._unwatching: set[asyncio.Future] = set()

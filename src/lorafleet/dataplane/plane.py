@@ -8,6 +8,8 @@ replica set (``Balancer``) keeps it current (``health.HealthPoller``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import aiohttp
 
 from lorafleet.dataplane.addressing import TableView
@@ -34,6 +36,7 @@ class DataPlane:
         api_key: str | None = None,
         upstream_keepalive_s: float = 2.0,
         gate: Gate | None = None,
+        on_session_end: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.table = table
         self.balancer = balancer
@@ -41,6 +44,8 @@ class DataPlane:
         self.api_key = api_key
         self.upstream_keepalive_s = upstream_keepalive_s
         self.gate = gate
+        self.on_session_end = on_session_end
+        """A copy's: hand the end to the control plane before answering (``Syncer.flush``)."""
         self.pipeline: Pipeline | None = None
         self.pooled: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
@@ -87,6 +92,9 @@ class DataPlane:
         targets = self.balancer.replicas if replicas is None else replicas
         return await self.pipeline.live.abort(self.pooled, rid, abort_all, targets)
 
-    def finish_session(self, session: str) -> None:
-        """Forget ``session``: its replica and its versions."""
+    async def finish_session(self, session: str) -> None:
+        """Forget ``session``: its replica and its versions (on a copy: everywhere, once the
+        control plane has taken the end and the other copies' long polls carry it on)."""
         self.balancer.sessions.forget(session)
+        if self.on_session_end is not None:
+            await self.on_session_end()

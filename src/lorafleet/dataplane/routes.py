@@ -119,7 +119,7 @@ def routes(plane: DataPlane, dependencies: list, keyed: tuple[int, ...]) -> APIR
     @api.post("/finish_session", responses=errors(400, 413, *keyed))
     async def finish_session(session_id: str) -> dict:
         """Forget a sticky session (SkyRL calls this when a trajectory ends)."""
-        plane.finish_session(session_id)
+        await plane.finish_session(session_id)
         return {"ok": True}
 
     @api.get("/workers", response_model=WorkerList, responses=errors(*keyed))

@@ -105,6 +105,9 @@ class Syncer:
         self._tasks: list[asyncio.Task] = []
         self._watching: dict[tuple[str, int], asyncio.Task] = {}
         self._unsent: list[Pin] = []
+        self._reports = 0
+        """Reports built so far; ``_taken``: the latest of them the control plane answered."""
+        self._taken = 0
 
     # --- trust ---------------------------------------------------------------------------------
 
@@ -186,8 +189,23 @@ class Syncer:
         """Sync now (a drained count, new pins worth reporting)."""
         self._poke.set()
 
+    async def flush(self, timeout: float) -> bool:
+        """Send what this copy has to report (a finished session) now, and wait until the
+        control plane took it, up to ``timeout`` seconds; whether it did."""
+        mark = self._reports
+        self.poke()
+        deadline = self._clock() + timeout
+        while self._taken <= mark:
+            left = deadline - self._clock()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._fresh.wait(), left)
+        return True
+
     def report(self) -> CopyReport:
         b = self.balancer
+        self._reports += 1
         self._unsent.extend(b.sessions.take_news())
         return CopyReport(
             copy_id=self.copy_id,
@@ -213,9 +231,11 @@ class Syncer:
     async def sync_once(self, wait: float) -> None:
         """One sync: report, wait for the answer, apply it. Raises ``LorafleetError``."""
         report = self.report()
+        n = self._reports
         sent_at = self._clock()
         snap = await self.control.sync(report, wait)
         del self._unsent[: len(report.pins)]
+        self._taken = max(self._taken, n)
         self._apply(snap, sent_at)
 
     def _apply(self, snap: Snapshot, sent_at: float) -> None:

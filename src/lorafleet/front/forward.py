@@ -1,5 +1,5 @@
-"""Generation forwarded to the router: ``model`` mapped to the router's pin and back.
-
+"""Generation forwarded to the data plane (the router, or its copies: ``FrontConfig.inference``):
+``model`` mapped to the router's pin and back.
 Every trainer dialect forwards generation the same way: the body goes to the router's path of
 the same name with the router's API key, a trainer's versioned name (``trl-policy-v7``) becomes
 the router's pin (``trl-policy@v7``), and the answer (stream or not) names the model as the
@@ -68,12 +68,12 @@ async def forward_generation(
     for h in _PASS_HEADERS:
         if h in request.headers:
             headers[h] = request.headers[h]
-    url = front.router_url + (path or request.url.path)
+    url = front.inference_url + (path or request.url.path)
     req = front.http.build_request("POST", url, content=json.dumps(body), headers=headers)
     try:
         resp = await front.http.send(req, stream=True)
     except httpx.HTTPError as exc:
-        raise EngineUnavailable(f"router {front.router_url} unreachable: {exc}") from exc
+        raise EngineUnavailable(f"data plane {front.inference_url} unreachable: {exc}") from exc
     out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _ANSWER_HEADERS}
     rename = (routed.encode(), str(sent).encode()) if routed is not None else None
     ctype = resp.headers.get("content-type", "application/json")
@@ -112,7 +112,7 @@ async def forward_gated(
     async def abort_at_router() -> None:
         headers = {"authorization": f"Bearer {front.cfg.api_key}"} if front.cfg.api_key else {}
         r = await front.http.post(
-            front.router_url + "/abort_request", json={"rid": rid}, headers=headers, timeout=10
+            front.inference_url + "/abort_request", json={"rid": rid}, headers=headers, timeout=10
         )
         r.raise_for_status()
 

@@ -99,6 +99,13 @@ class FrontConfig:
         None, flag="--dtype", help="dtype /server_info reports (default: the model's)."
     )
     """What ``/server_info`` reports; None reads the base model's config.json when local."""
+    inference: str | None = setting(
+        None,
+        flag="--inference",
+        help="Where forwarded generation goes: the data plane's address (a lorafleet dataplane "
+        "copy, or the balancer in front of the copies; docs/router.md) [default: the router].",
+    )
+    """The data plane's URL; None: the router's own. Control calls always go to the router."""
     publish_timeout_s: float = 1800.0
     dialect: str = "vllm"
     """Which server's API the front speaks: a name in ``lorafleet.front.dialects.DIALECTS``."""
@@ -138,6 +145,7 @@ class Front:
             cfg.router, cfg.fleet_token, client=self.http, api_key=cfg.api_key
         )
         self.router_url = cfg.router.rstrip("/")
+        self.inference_url = (cfg.inference or cfg.router).rstrip("/")
         self.paused = False
         # AReaL's pause: holds this front's generation and aborts what is in flight (front.gate).
         self.gate = GenerationGate()
