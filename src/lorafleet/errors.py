@@ -75,6 +75,7 @@ __all__ = [
     "FileNotAllowed",
     "FileTooLarge",
     "Forbidden",
+    "InstallFailed",
     "IntegrityError",
     "InternalError",
     "InvalidName",
@@ -473,6 +474,11 @@ class QuotaExceeded(ServiceError):
 
 
 # --- publication ---------------------------------------------------------------------------
+
+
+class InstallFailed(LorafleetError):
+    """Installing a version on a replica failed where the agent reported nothing itself (a peer
+    could not send every file, the engine proved other bytes); the message says which and why."""
 
 
 class PublishError(LorafleetError):

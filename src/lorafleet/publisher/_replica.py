@@ -8,7 +8,6 @@ transactions.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Collection
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.errors import EngineUnavailable, LorafleetError
+from lorafleet.install import InstallTimeouts, ReplicaInstall
 from lorafleet.protocol.agent import (
     AdapterState,
     AgentInfo,
@@ -64,17 +64,39 @@ class ReplicaTxn:
         self.timeouts = timeouts
         self.on_progress = on_progress
         self.timing = ReplicaTiming(replica=agent.id, agent_url=agent.url)
-        self.upload_id: str | None = None
-        """The upload session this publication opened and has not committed yet."""
-        self.missing: list[str] = []
-        """The paths its open session still needs (the rest it holds already)."""
-        self.touched = False
-        """The agent may hold something of this publication (a session, a record, a load)."""
+        self.install = ReplicaInstall(
+            agent.client,
+            plan.name,
+            plan.version,
+            plan.bundle.manifest,
+            InstallTimeouts(
+                call_s=timeouts.commit, transfer_s=timeouts.upload, load_s=timeouts.load
+            ),
+        )
+        """The steps themselves (``lorafleet.install``); this adds timing and roll-back."""
         self.rollback_pending = False
         """A rollback ran and could not undo everything here (``timing.rollback`` says what)."""
-        self.load_attempted = False
+
+    @property
+    def upload_id(self) -> str | None:
+        """The upload session this publication opened and has not committed yet."""
+        return self.install.upload_id
+
+    @property
+    def missing(self) -> list[str]:
+        """The paths its open session still needs (the rest it holds already)."""
+        return self.install.missing
+
+    @property
+    def touched(self) -> bool:
+        """The agent may hold something of this publication (a session, a record, a load)."""
+        return self.install.touched
+
+    @property
+    def load_attempted(self) -> bool:
         """A load of this publication's bytes was asked of the agent (it may reach the engine;
         the version number is then burnt, never handed out again)."""
+        return self.install.load_attempted
 
     @property
     def id(self) -> str:
@@ -82,14 +104,7 @@ class ReplicaTxn:
 
     async def open(self, relay: RelayAccept | None = None) -> UploadSession:
         """Open (or re-open) this publication's upload session; ``relay``: peers may send."""
-        self.touched = True
-        session = await asyncio.wait_for(
-            self.agent.client.open_upload(
-                self.plan.bundle.manifest, supersede=self.plan.supersede, relay=relay
-            ),
-            self.timeouts.commit,
-        )
-        self.upload_id, self.missing = session.upload_id, session.missing
+        session = await self.install.open(supersede=self.plan.supersede, relay=relay)
         self.timing.files_deduplicated = len(self.plan.bundle.files) - len(session.missing)
         return session
 
@@ -104,33 +119,23 @@ class ReplicaTxn:
             if self.on_progress:
                 self.on_progress(self.id, self.timing.bytes_sent, total)
 
-        prog = await asyncio.wait_for(
-            self.agent.client.upload_file(
-                self.upload_id,
-                entry,
-                self.plan.bundle.source(entry.path),
-                on_sent=sent,
-                resume=resume,
-            ),
-            self.timeouts.upload,
+        prog = await self.install.send(
+            entry, self.plan.bundle.source(entry.path), on_sent=sent, resume=resume
         )
         self.timing.files_sent += 1
         return prog
 
     async def commit(self) -> None:
         """Commit the open session: the agent verifies the whole bundle and stages it."""
-        assert self.upload_id is not None
-        await asyncio.wait_for(self.agent.client.commit(self.upload_id), self.timeouts.commit)
-        self.upload_id = None  # committed: the agent closed the session and its staging
+        await self.install.commit()
         self.timing.state = ReplicaState.STAGED
 
     async def stage(self) -> None:
         """Get the bundle's files into the agent's store: upload what it lacks and commit, or
         register the shared path. Raises ``LorafleetError`` (the agent refused, or did not
         answer) or ``TimeoutError`` (a step outlived its ``Timeouts`` limit)."""
-        bundle, timing, client = self.plan.bundle, self.timing, self.agent.client
+        bundle, timing = self.plan.bundle, self.timing
         t = time.perf_counter()
-        self.touched = True
         if self.plan.transfer == "remote_upload":
             await self.open()
             for path in self.missing:
@@ -139,22 +144,14 @@ class ReplicaTxn:
             t = time.perf_counter()
             await self.commit()
         else:
-            await asyncio.wait_for(
-                client.register_path(
-                    bundle.manifest, str(self.plan.shared_path), supersede=self.plan.supersede
-                ),
-                self.timeouts.commit,
-            )
+            await self.install.register(str(self.plan.shared_path), supersede=self.plan.supersede)
         timing.verify_s = time.perf_counter() - t
         timing.state = ReplicaState.STAGED
 
     async def load(self) -> None:
         """Load the staged version into the engine. Raises like ``stage``."""
-        plan, t = self.plan, time.perf_counter()
-        self.load_attempted = True
-        await asyncio.wait_for(
-            self.agent.client.load(plan.name, plan.version, plan.load_mode), self.timeouts.load
-        )
+        t = time.perf_counter()
+        await self.install.load(self.plan.load_mode)
         self.timing.load_s = time.perf_counter() - t
         self.timing.state = ReplicaState.LOADED
 
@@ -162,10 +159,8 @@ class ReplicaTxn:
         """Have the agent check that its engine applies the loaded version, addressed as the
         router will address it. Raises ``AdapterNotApplied`` when it answers as the base
         model, or like ``stage``."""
-        plan, t = self.plan, time.perf_counter()
-        rec = await asyncio.wait_for(
-            self.agent.client.verify(plan.name, plan.version), self.timeouts.load
-        )
+        t = time.perf_counter()
+        rec = await self.install.prove()
         self.timing.probe_s = time.perf_counter() - t
         self.timing.application = rec.application
 
@@ -179,12 +174,12 @@ class ReplicaTxn:
         if self.upload_id is None and self.touched and plan.transfer != "shared_filesystem":
             # The answer to our open may have been lost (cancelled or timed out in flight):
             # opening the same manifest again returns that session, if there is one.
-            with contextlib.suppress(LorafleetError):
-                self.upload_id = (await client.open_upload(plan.bundle.manifest)).upload_id
+            with contextlib.suppress(LorafleetError, TimeoutError):
+                await self.install.open()
         if self.upload_id:
             try:
-                await client.discard(self.upload_id)
-            except LorafleetError as exc:
+                await self.install.discard()
+            except (LorafleetError, TimeoutError) as exc:
                 if not is_not_found(exc):
                     problems.append(f"its staging could not be discarded ({reason(exc)})")
         if not self.touched and plan.mode != "in_place":
@@ -233,7 +228,7 @@ class ReplicaTxn:
 
     async def activate(self) -> None:
         """Record the version as active on the agent. Raises ``LorafleetError``."""
-        await self.agent.client.activate(self.plan.name, self.plan.version)
+        await self.install.activate()
         self.timing.state = ReplicaState.ACTIVE
 
     async def older_versions(self) -> list[int]:

@@ -7,10 +7,11 @@ rotation: it lists what the agent holds and compares it with the table.
 - A replica listed for a version it no longer holds with the version's digest (its store was
   wiped, its agent restarted empty) is taken off that version at once: it is never routed a
   version it was not verified for.
-- A replica that lacks a version is fed from a peer that holds it: the lagging agent opens an
-  upload session that takes relayed bytes from one credential minted for this catch-up alone
-  (the relay's per-publication credential, ``agent/relay.py``); the peer agent PUTs the files it
-  holds into it; the lagging agent verifies each by size and sha-256 as for any upload, commits,
+- A replica that lacks a version is fed from a peer that holds it, by the one install path
+  (``lorafleet.install.ReplicaInstall.from_peer``): the lagging agent opens an upload session
+  that takes relayed bytes from one credential minted for this catch-up alone (the relay's
+  per-publication credential, ``agent/relay.py``); the peer agent PUTs the files it holds into
+  it; the lagging agent verifies each by size and sha-256 as for any upload, commits,
   loads, and proves the version with its application probe. Only then is it listed for the
   version (``AliasStore.add_holder``, which refuses a claim for other bytes).
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable
 
@@ -37,16 +37,9 @@ from lorafleet._http import async_client
 from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.dataplane.balancer import Balancer, Replica
 from lorafleet.dataplane.metrics import RouterMetrics
-from lorafleet.errors import LorafleetError
-from lorafleet.protocol.agent import (
-    AdapterRecord,
-    AdapterState,
-    ForwardTarget,
-    RelayAccept,
-    SendRequest,
-    credential_digest,
-    engine_name,
-)
+from lorafleet.errors import InstallFailed, LorafleetError
+from lorafleet.install import InstallTimeouts, ReplicaInstall
+from lorafleet.protocol.agent import AdapterRecord, AdapterState, engine_name
 from lorafleet.protocol.router import AliasEntry, RoutableVersion
 from lorafleet.router.table import AliasStore
 
@@ -236,6 +229,9 @@ class CatchUp:
         assert rid is not None
         target = self.client(r.agent_url)
         bound = self.call_timeout_s
+        timeouts = InstallTimeouts(
+            call_s=bound, transfer_s=self.transfer_timeout_s, load_s=self.transfer_timeout_s
+        )
         if mine is None:
             src = self._source(ref, r)
             if src is None:
@@ -248,41 +244,15 @@ class CatchUp:
             for rec in await asyncio.wait_for(target.list_adapters(), bound):
                 if rec.name == name and rec.version == v and rec.digest != manifest.digest:
                     await asyncio.wait_for(target.unload(name, v), bound)
-            credential = secrets.token_urlsafe(32)
-            accept = RelayAccept(credential_sha256=credential_digest(credential))
-            session = await asyncio.wait_for(
-                target.open_upload(manifest, supersede=True, relay=accept), bound
-            )
+            install = ReplicaInstall(target, name, v, manifest, timeouts)
             try:
-                if session.missing:
-                    sent = await asyncio.wait_for(
-                        peer.send(
-                            SendRequest(
-                                name=name,
-                                version=v,
-                                target=ForwardTarget(
-                                    url=r.agent_url,
-                                    upload_id=session.upload_id,
-                                    answer_timeout_s=self.transfer_timeout_s,
-                                ),
-                                credential=credential,
-                                paths=session.missing,
-                            ),
-                            self.transfer_timeout_s,
-                        ),
-                        self.transfer_timeout_s,
-                    )
-                    bad = [h for h in sent.hops if not h.ok]
-                    if bad or len(sent.hops) != len(session.missing):
-                        why = f"{bad[0].path}: {bad[0].code} {bad[0].detail}" if bad else "short"
-                        raise CatchUpFailed(f"peer {src.replica_id} could not send it ({why})")
-                await asyncio.wait_for(target.commit(session.upload_id), bound)
-            except BaseException:
-                with contextlib.suppress(LorafleetError, TimeoutError):
-                    await asyncio.wait_for(target.discard(session.upload_id), bound)
-                raise
-            await asyncio.wait_for(target.load(name, v), self.transfer_timeout_s)
-        rec = await asyncio.wait_for(target.verify(name, v), self.transfer_timeout_s)
+                await install.from_peer(peer, r.agent_url)
+            except InstallFailed as exc:
+                raise CatchUpFailed(f"peer {src.replica_id}: {exc}") from exc
+            await install.load()
+        else:
+            install = ReplicaInstall(target, name, v, None, timeouts)
+        rec = await install.prove()
         if ref.digest is not None and rec.digest != ref.digest:
             raise CatchUpFailed(f"it verified other bytes ({rec.digest[:12]})")
         current = self.store.aliases.get(name)
@@ -291,7 +261,7 @@ class CatchUp:
         if current is None or self.store.lease_of(name) is not None:
             raise CatchUpFailed("a publication started meanwhile; tried again after it")
         if v == current.version:
-            await asyncio.wait_for(target.activate(name, v), bound)
+            await install.activate()
         if not self.store.add_holder(name, v, rec.digest, rid):
             raise CatchUpFailed(f"v{v} is no longer routable with digest {rec.digest[:12]}")
         log.info("replica %s caught up on %s v%d", rid, name, v)

@@ -1,0 +1,196 @@
+"""Installing one adapter version on one replica: stage its files, commit, load it into the
+engine, prove the engine applies it, activate it.
+
+This is the one path by which a version reaches a replica: a publication (``publisher/_replica.py``:
+bytes from the trainer, a relay or a shared directory) and catch-up from a peer
+(``router/catchup.py``) both take these steps, and whatever places a version next takes them too.
+Each step is one agent call under its own bound. What a failure means is the caller's: a
+publication rolls every replica back, catch-up backs off and tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from lorafleet.clients.agent import AsyncAgentClient, Sent, Source
+from lorafleet.errors import InstallFailed, LorafleetError
+from lorafleet.protocol.agent import (
+    AdapterRecord,
+    FileProgress,
+    ForwardTarget,
+    LoadMode,
+    RelayAccept,
+    SendRequest,
+    UploadSession,
+    credential_digest,
+)
+from lorafleet.protocol.manifest import FileEntry, Manifest
+
+__all__ = ["InstallTimeouts", "ReplicaInstall"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class InstallTimeouts:
+    """Bounds in seconds for each kind of step."""
+
+    call_s: float = 120.0
+    """An agent call that moves no payload: open, commit, register, discard, activate."""
+    transfer_s: float = 3600.0
+    """Moving the bytes: one file pushed, or a peer sending what is missing."""
+    load_s: float = 120.0
+    """Loading into the engine, and proving that the engine applies it."""
+
+
+class ReplicaInstall:
+    """Version ``version`` of ``name`` onto the agent behind ``client``, step by step.
+
+    ``manifest`` is what is being installed; None when the agent holds the version already and
+    only the later steps (load, prove, activate) are asked of it.
+    """
+
+    def __init__(
+        self,
+        client: AsyncAgentClient,
+        name: str,
+        version: int,
+        manifest: Manifest | None = None,
+        timeouts: InstallTimeouts = InstallTimeouts(),
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.version = version
+        self.manifest = manifest
+        self.timeouts = timeouts
+        self.upload_id: str | None = None
+        """The upload session opened here and not committed or discarded yet."""
+        self.missing: list[str] = []
+        """The paths the open session still needs (the agent holds the rest already)."""
+        self.touched = False
+        """The agent may hold something of this install (a session, a record, a load)."""
+        self.load_attempted = False
+        """A load was asked of the agent (it may have reached the engine)."""
+
+    async def _bounded(self, call: Awaitable[T], bound: float) -> T:
+        return await asyncio.wait_for(call, bound)
+
+    # --- staging -------------------------------------------------------------------------------
+
+    async def open(
+        self, *, supersede: bool = False, relay: RelayAccept | None = None
+    ) -> UploadSession:
+        """Open (or re-open) the upload session for ``manifest``; ``relay``: peers may send
+        into it with that credential."""
+        assert self.manifest is not None, "open() needs the manifest being installed"
+        self.touched = True
+        session = await self._bounded(
+            self.client.open_upload(self.manifest, supersede=supersede, relay=relay),
+            self.timeouts.call_s,
+        )
+        self.upload_id, self.missing = session.upload_id, session.missing
+        return session
+
+    async def send(
+        self,
+        entry: FileEntry,
+        source: Source,
+        *,
+        on_sent: Sent | None = None,
+        resume: bool = False,
+    ) -> FileProgress:
+        """Push one file of the open session (``resume``: from the agent's durable offset)."""
+        assert self.upload_id is not None, "send() needs an open session"
+        return await self._bounded(
+            self.client.upload_file(self.upload_id, entry, source, on_sent=on_sent, resume=resume),
+            self.timeouts.transfer_s,
+        )
+
+    async def commit(self) -> AdapterRecord:
+        """Commit the open session: the agent verifies the whole bundle and stages it."""
+        assert self.upload_id is not None
+        rec = await self._bounded(self.client.commit(self.upload_id), self.timeouts.call_s)
+        self.upload_id = None  # committed: the agent closed the session and its staging
+        return rec
+
+    async def discard(self) -> None:
+        """Drop the open session and what it staged. Raises ``LorafleetError``."""
+        if self.upload_id is not None:
+            await self._bounded(self.client.discard(self.upload_id), self.timeouts.call_s)
+            self.upload_id = None
+
+    async def register(self, path: str | os.PathLike, *, supersede: bool = False) -> AdapterRecord:
+        """Stage from a directory the agent may read (a shared filesystem), verified there."""
+        assert self.manifest is not None, "register() needs the manifest being installed"
+        self.touched = True
+        return await self._bounded(
+            self.client.register_path(self.manifest, path, supersede=supersede),
+            self.timeouts.call_s,
+        )
+
+    async def from_peer(self, peer: AsyncAgentClient, agent_url: str) -> None:
+        """Stage from ``peer``, an agent that holds the version: this agent opens a session
+        that takes relayed bytes under a credential minted for this install alone, the peer
+        PUTs what is missing into it, this agent verifies each file as for any upload, and the
+        session is committed. A failure discards the session and raises ``InstallFailed``,
+        ``LorafleetError`` or ``TimeoutError``; the trainer's link carries nothing."""
+        credential = secrets.token_urlsafe(32)
+        accept = RelayAccept(credential_sha256=credential_digest(credential))
+        await self.open(supersede=True, relay=accept)
+        try:
+            if self.missing:
+                await self._peer_sends(peer, agent_url, credential, self.missing)
+            await self.commit()
+        except BaseException:
+            with contextlib.suppress(LorafleetError, TimeoutError):
+                await self.discard()
+            raise
+
+    async def _peer_sends(
+        self, peer: AsyncAgentClient, agent_url: str, credential: str, paths: Sequence[str]
+    ) -> None:
+        assert self.upload_id is not None
+        bound = self.timeouts.transfer_s
+        req = SendRequest(
+            name=self.name,
+            version=self.version,
+            target=ForwardTarget(url=agent_url, upload_id=self.upload_id, answer_timeout_s=bound),
+            credential=credential,
+            paths=list(paths),
+        )
+        sent = await self._bounded(peer.send(req, bound), bound)
+        bad = [h for h in sent.hops if not h.ok]
+        if bad or len(sent.hops) != len(paths):
+            why = f"{bad[0].path}: {bad[0].code} {bad[0].detail}" if bad else "short"
+            raise InstallFailed(f"the peer could not send it ({why})")
+
+    # --- serving -------------------------------------------------------------------------------
+
+    async def load(self, mode: LoadMode = "versioned") -> AdapterRecord:
+        """Load the staged version into the engine."""
+        self.load_attempted = True
+        return await self._bounded(
+            self.client.load(self.name, self.version, mode), self.timeouts.load_s
+        )
+
+    async def prove(self) -> AdapterRecord:
+        """Have the agent check that its engine applies the loaded version, addressed as the
+        router will address it (its record's ``application``). Raises ``AdapterNotApplied``
+        when the engine answers as the base model; with a manifest, ``InstallFailed`` when the
+        agent proved other bytes than those being installed."""
+        rec = await self._bounded(self.client.verify(self.name, self.version), self.timeouts.load_s)
+        if self.manifest is not None and rec.digest != self.manifest.digest:
+            raise InstallFailed(f"it proved other bytes ({rec.digest[:12]})")
+        return rec
+
+    async def activate(self) -> AdapterRecord:
+        """Record the version as the name's active one on the agent."""
+        return await self._bounded(
+            self.client.activate(self.name, self.version), self.timeouts.call_s
+        )
