@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from lorafleet.protocol.sglang import GenerateRequest, is_native_generate
+from lorafleet.protocol.generation import GenerateRequest, is_native_generate
 
 
 @pytest.mark.parametrize(

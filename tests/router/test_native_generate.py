@@ -191,16 +191,7 @@ def test_batch_text_mixed_adapters_in_order(routed, fleet):
     ("body", "param"),
     [
         ({"sampling_params": SP}, None),
-        (
-            {
-                "input_ids": IDS,
-                "return_logprob": True,
-                "logprob_start_len": 0,
-                "top_logprobs_num": 2,
-            },
-            "logprob_start_len",
-        ),
-        ({"input_ids": IDS, "sampling_params": {"top_k": 5}}, "sampling_params.top_k"),
+        ({"input_ids": IDS, "sampling_params": {"min_p": 0.5}}, "sampling_params.min_p"),
         ({"input_ids": IDS, "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"input_ids": IDS, "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
         ({"input_ids": IDS, "input_embeds": [[0.0]]}, "input_embeds"),
@@ -229,6 +220,31 @@ def test_empty_image_data_and_areal_sampling_params_are_accepted(routed):
             stream=False, lora_path="nat-v1")  # fmt: skip
     assert r.status_code == 200, r.text
     assert len(r.json()["meta_info"]["output_token_logprobs"]) == 4
+
+
+def test_top_k_and_the_prompts_top_logprobs_are_translated(routed, fleet):
+    """The reference engine honours top_k and scores the prompt's top tokens: SGLang's
+    /generate asks them of it rather than refusing them."""
+    greedy = gen(routed, input_ids=IDS, lora_path="nat").json()["output_ids"]
+    sp = {**SP, "temperature": 1.0, "top_k": 1, "sampling_seed": 3}
+    r = gen(routed, input_ids=IDS, lora_path="nat", sampling_params=sp)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == greedy
+    r = gen(routed, input_ids=IDS, lora_path="nat", return_logprob=True, logprob_start_len=0,
+            top_logprobs_num=2)  # fmt: skip
+    assert r.status_code == 200, r.text
+    tops = r.json()["meta_info"]["input_top_logprobs"]
+    assert len(tops) == len(IDS) and all(len(t) == 2 for t in tops[1:])
+
+
+def test_openai_n_and_prompt_logprobs_pass_through_the_data_plane(routed):
+    body = {"model": "nat", "prompt": IDS, "max_tokens": 2, "temperature": 1.0, "seed": 5,
+            "n": 3, "prompt_logprobs": 1}  # fmt: skip
+    r = httpx.post(routed.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["choices"]) == 3 and out["lorafleet"]["version"] == 1
+    assert all(len(c["prompt_logprobs"]) == len(IDS) for c in out["choices"])
 
 
 def test_skyrl_shape_still_answers_choices(routed):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lorafleet.engine._errors import EngineError
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime, TokenEvent
 
-__all__ = ["budget", "check_ids", "check_logprobs", "collect", "stops"]
+__all__ = ["budget", "check_ids", "check_logprobs", "check_prompt_logprobs", "collect", "stops"]
 
 
 def stops(stop: str | list[str] | None) -> list[str]:
@@ -68,6 +68,19 @@ def check_logprobs(runtime: Runtime, requested: int | None) -> None:
             f"Requested sample logprobs of {requested}, which is greater than max allowed: "
             f"{limit} (parameter=logprobs, value={requested})",
             param="logprobs",
+        )
+
+
+def check_prompt_logprobs(runtime: Runtime, requested: int) -> None:
+    """Refuse more prompt logprobs per position than the engine serves (400), as vLLM checks
+    ``prompt_logprobs`` against ``--max-logprobs`` (-1 asks for the whole vocabulary)."""
+    vocab = runtime.model.config.vocab_size
+    limit = vocab if runtime.max_logprobs == -1 else min(runtime.max_logprobs, vocab)
+    asked = vocab if requested == -1 else requested
+    if asked > limit:
+        raise EngineError.bad_request(
+            f"Requested prompt logprobs of {asked}, which is greater than max allowed: {limit}",
+            param="prompt_logprobs",
         )
 
 

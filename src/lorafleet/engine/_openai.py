@@ -20,11 +20,18 @@ from lorafleet._service import streamed_ok
 from lorafleet.engine import _openai_bodies as bodies
 from lorafleet.engine import _sglang
 from lorafleet.engine._errors import EngineError, responses, stream_error
-from lorafleet.engine._generation import budget, check_ids, check_logprobs, collect, stops
+from lorafleet.engine._generation import (
+    budget,
+    check_ids,
+    check_logprobs,
+    check_prompt_logprobs,
+    collect,
+    stops,
+)
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime
 from lorafleet.engine._sse import DONE, event, streaming_response
-from lorafleet.engine.protocol import ChatCompletionRequest, CompletionRequest
+from lorafleet.protocol.generation import ChatCompletionRequest, CompletionRequest, openai_beyond
 
 __all__ = ["router"]
 
@@ -44,6 +51,20 @@ async def _resolve(
     if dialect is not None:
         return await dialect.resolve_openai(model, lora_path)
     return runtime.resolve(_sglang.openai_adapter_name(runtime, model, lora_path) or model)
+
+
+def _refuse_unhonoured(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's sampling fields this engine does not implement: a 400 naming the first one that
+    asks something, never an answer that ignored it."""
+    for name, value in openai_beyond(req.model_extra or {}):
+        raise EngineError.bad_request(
+            f"{name}={value!r} is not supported by the reference engine", param=name
+        )
+
+
+def _seed(seed: int | None, j: int) -> int | None:
+    """Choice ``j``'s seed: reproducible, and different from its siblings'."""
+    return None if seed is None else seed + j
 
 
 def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -142,49 +163,77 @@ def router(
             raise EngineError.bad_request("The prompt cannot be empty.", param="prompt")
         for _, ids in prompts:
             check_ids(runtime, ids)
+        _refuse_unhonoured(req)
+        if req.prompt_logprobs is not None:
+            # Accepted with stream=True too, as vLLM does; a stream lists them only when it
+            # echoes the prompt.
+            check_prompt_logprobs(runtime, req.prompt_logprobs)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if req.n > 1 and not temperature:  # greedy: n equal answers, refused as vLLM does
+            raise EngineError.bad_request(
+                f"n must be 1 when using greedy sampling, got {req.n}.", param="n"
+            )
         if not req.stream:  # a stream meets it in its first event (check_logprobs)
             check_logprobs(runtime, req.logprobs)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        scored = None if req.stream else req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            # The echoed prompt is listed with its top logprobs, as the generated tokens are.
+            scored = max(scored or 0, req.logprobs)
+        n = req.n
+        # One GenParams per choice: prompt i's j-th sample is choice i * n + j, as in vLLM.
         params_for = [
             GenParams(
-                max_tokens=budget(runtime, len(ids), max_tokens),
-                temperature=1.0 if req.temperature is None else req.temperature,
+                max_tokens=budget(runtime, len(prompts[c // n][1]), max_tokens),
+                temperature=temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                seed=req.seed,
+                top_k=req.top_k or 0,
+                seed=_seed(req.seed, c % n),
                 stop=stops(req.stop),
                 logprobs=req.logprobs,
                 ignore_eos=bool(req.ignore_eos),
-                prompt_logprobs=bool(req.echo) and req.logprobs is not None,
+                prompt_logprobs=scored,
             )
-            for _, ids in prompts
+            for c in range(len(prompts) * n)
         ]
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
-        def prefix(i: int) -> str:
-            text, ids = prompts[i]
+        def prefix(c: int) -> str:
+            text, ids = prompts[c // n]
             if not req.echo:
                 return ""
             return text if text is not None else runtime.tokenizer.decode(ids)
 
         if not req.stream:
             choices, total = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-            for i, (_, ids) in enumerate(prompts):
-                events, result = await collect(runtime, ids, adapter, params_for[i])
+            for c, params in enumerate(params_for):
+                ids = prompts[c // n][1]
+                events, result = await collect(runtime, ids, adapter, params)
                 metrics.account(model_name, result)
                 logprobs = None
                 if req.logprobs is not None:
-                    scored = (ids, result.prompt_logprobs) if result.prompt_logprobs else None
-                    logprobs = bodies.legacy_logprobs(shown, events, len(prefix(i)), scored)
-                choices.append(
-                    bodies.completion_choice(
-                        i,
-                        prefix(i) + result.text,
-                        logprobs,
-                        result,
-                        (ids, result.token_ids) if req.return_token_ids else None,
+                    echoed = result if req.echo else None
+                    logprobs = bodies.legacy_logprobs(
+                        shown,
+                        events,
+                        len(prefix(c)),
+                        echoed,
+                        ids if req.echo else None,
+                        top_k=req.logprobs,
                     )
+                choice = bodies.completion_choice(
+                    c,
+                    prefix(c) + result.text,
+                    logprobs,
+                    result,
+                    (ids, result.token_ids) if req.return_token_ids else None,
                 )
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = bodies.prompt_logprobs(
+                        token_text, ids, result, req.prompt_logprobs
+                    )
+                choices.append(choice)
                 u = bodies.usage(result)
                 for k in total:
                     total[k] += u[k]
@@ -199,11 +248,12 @@ def router(
             total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
             try:
                 check_logprobs(runtime, req.logprobs)
-                for i, (_, ids) in enumerate(prompts):
+                for i, params in enumerate(params_for):
+                    ids = prompts[i // n][1]
                     offset = len(prefix(i))
                     if req.echo:
                         yield chunk(i, prefix(i))
-                    async for item in runtime.stream(ids, adapter, params_for[i]):
+                    async for item in runtime.stream(ids, adapter, params):
                         if isinstance(item, GenResult):
                             metrics.account(model_name, item)
                             extra = {}
@@ -251,12 +301,24 @@ def router(
         ids = check_ids(runtime, runtime.encode(prompt, add_special_tokens=False))
         requested = req.max_completion_tokens or req.max_tokens
         top = req.top_logprobs or 0
+        _refuse_unhonoured(req)
+        for name, asked in (
+            ("n", req.n != 1),
+            ("prompt_logprobs", req.prompt_logprobs is not None),
+        ):
+            if asked:
+                raise EngineError.bad_request(
+                    f"{name} is not supported by the reference engine's chat completions "
+                    "(its /v1/completions honours it)",
+                    param=name,
+                )
         if req.logprobs and not req.stream:  # a stream meets it in its first event
             check_logprobs(runtime, top)
         params = GenParams(
             max_tokens=budget(runtime, len(ids), requested),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
             seed=req.seed,
             stop=stops(req.stop),
             logprobs=top if req.logprobs else None,

@@ -55,12 +55,15 @@ def legacy_logprobs(
     token_text: TokenText,
     events: Iterable[TokenEvent],
     offset: int,
-    prompt: tuple[list[int], list[float | None]] | None = None,
+    prompt: GenResult | None = None,
+    prompt_ids: list[int] | None = None,
+    top_k: int = 0,
 ) -> dict:
     """The completions API's logprobs: parallel lists, text offsets counted from ``offset``.
 
-    ``prompt``: (ids, logprobs) of an echoed prompt, listed first as vLLM does (the first
-    token has no logprob), with offsets from 0.
+    ``prompt``: the result whose prompt (``prompt_ids``) was echoed and scored, listed first as
+    vLLM does (the first token has no logprob; then the token and the ``top_k`` likeliest
+    there), with offsets from 0.
     """
     lp: dict[str, list] = {
         "text_offset": [],
@@ -68,15 +71,22 @@ def legacy_logprobs(
         "tokens": [],
         "top_logprobs": [],
     }
-    if prompt is not None:
+    if prompt is not None and prompt.prompt_logprobs is not None and prompt_ids is not None:
         at = 0
-        for tid, value in zip(*prompt, strict=True):
+        scores = prompt.prompt_top or [None] * len(prompt_ids)
+        for tid, value, score in zip(prompt_ids, prompt.prompt_logprobs, scores, strict=True):
             text = token_text(tid)
             lp["text_offset"].append(at)
             at += len(text)
             lp["tokens"].append(text)
             lp["token_logprobs"].append(value)
-            lp["top_logprobs"].append(None if value is None else {text: value})
+            if value is None:
+                lp["top_logprobs"].append(None)
+                continue
+            # The same k as the generated tokens' (the prompt may have been scored deeper).
+            top = {token_text(i): v for i, v in score.top[:top_k]} if score is not None else {}
+            top.setdefault(text, value)
+            lp["top_logprobs"].append(top)
     for ev in events:
         if ev.token_id < 0:
             continue
@@ -89,6 +99,34 @@ def legacy_logprobs(
         top.setdefault(text, ev.logprob)
         lp["top_logprobs"].append(top)
     return lp
+
+
+def prompt_logprobs(
+    token_text: TokenText, ids: list[int], result: GenResult, k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: None for the first token, then for each position
+    the prompt's own token and the k likeliest there, by id, with logprob, rank and text."""
+    assert result.prompt_logprobs is not None and result.prompt_top is not None
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for pos in range(1, len(ids)):
+        score = result.prompt_top[pos]
+        assert score is not None
+        entries = {
+            str(tid): {"logprob": v, "rank": r + 1, "decoded_token": token_text(tid)}
+            for r, (tid, v) in enumerate(score.top if k < 0 else score.top[:k])
+        }
+        own = str(ids[pos])
+        entries.setdefault(
+            own,
+            {
+                "logprob": result.prompt_logprobs[pos],
+                "rank": score.rank,
+                "decoded_token": token_text(ids[pos]),
+            },
+        )
+        # vLLM lists the prompt's own token first.
+        out.append({own: entries[own], **{k: v for k, v in entries.items() if k != own}})
+    return out
 
 
 def chat_logprobs(token_text: TokenText, events: Iterable[TokenEvent]) -> dict:

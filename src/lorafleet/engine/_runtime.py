@@ -56,12 +56,15 @@ class GenParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample from the k likeliest tokens only; 0 or -1: every token (vLLM's)."""
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token plus the top k
     ignore_eos: bool = False
-    prompt_logprobs: bool = False
-    """Also score the prompt: each prompt token's logprob given the ones before it."""
+    prompt_logprobs: int | None = None
+    """Also score the prompt: each prompt token's logprob given the ones before it, and the k
+    likeliest tokens at each position (None: no scoring; 0: the prompt's own tokens only)."""
 
     def __post_init__(self) -> None:
         # As vLLM's SamplingParams: a temperature this close to 0 overflows the softmax (inf,
@@ -89,6 +92,17 @@ class GenResult:
     prompt_tokens: int
     prompt_logprobs: list[float | None] | None = None
     """With ``GenParams.prompt_logprobs``: None for the first token, then one per token."""
+    prompt_top: list[PromptScore | None] | None = None
+    """With ``GenParams.prompt_logprobs``: None for the first token, then each position's score
+    (the prompt token's rank, and the k likeliest tokens there)."""
+
+
+@dataclass
+class PromptScore:
+    """One prompt position: its own token's rank among all, and the k likeliest tokens."""
+
+    rank: int
+    top: list[tuple[int, float]]
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -201,6 +215,11 @@ class Runtime:
         if not p.temperature:
             return int(torch.argmax(logits)), logp
         probs = torch.softmax(logits / p.temperature, dim=-1)
+        if 0 < p.top_k < probs.numel():
+            # vLLM's order: top-k, then top-p over what is left.
+            kth = torch.topk(probs, p.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             drop = torch.cumsum(sorted_p, 0) - sorted_p > p.top_p
@@ -225,6 +244,8 @@ class Runtime:
         text = ""
         finish, stop_reason = "length", None
         prompt_lps: list[float | None] | None = None
+        prompt_top: list[PromptScore | None] | None = None
+        scoring = params.prompt_logprobs is not None
         with torch.inference_mode(), self._adapter_context(internal):
             past = None
             step_input = torch.tensor([prompt_ids], dtype=torch.long)
@@ -234,15 +255,12 @@ class Runtime:
                     break
                 # The first pass keeps every position's logits when the prompt is scored
                 # (echo with logprobs, as vLLM answers it); later passes only the last.
-                keep = 0 if params.prompt_logprobs and past is None else 1
+                keep = 0 if scoring and past is None else 1
                 out = self.model(
                     input_ids=step_input, cache=past, use_cache=True, logits_to_keep=keep
                 )
                 if keep == 0:
-                    scored = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
-                    targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
-                    picked = scored.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-                    prompt_lps = [None, *picked]
+                    prompt_lps, prompt_top = self._score_prompt(out.logits, prompt_ids, params)
                 past = out.cache
                 tok, logp = self._pick(out.logits[0, -1].float(), params, gen)
                 out_ids.append(tok)
@@ -270,12 +288,38 @@ class Runtime:
                 if done:
                     break
                 step_input = torch.tensor([[tok]], dtype=torch.long)
+        if scoring and prompt_lps is None:  # max_tokens 0: the prompt is still scored
+            with torch.inference_mode(), self._adapter_context(internal):
+                out = self.model(input_ids=torch.tensor([prompt_ids]), logits_to_keep=0)
+                prompt_lps, prompt_top = self._score_prompt(out.logits, prompt_ids, params)
         # Like vLLM's incremental detokenizer: bytes of an unfinished UTF-8 character at the very
         # end never become text (HF's decode would show them as U+FFFD).
         text = text.rstrip("\ufffd")
         if emit is not None and released < len(text):
             emit(TokenEvent(-1, text[released:]))  # flush what was held back at "length"
-        return GenResult(out_ids, text, finish, stop_reason, len(prompt_ids), prompt_lps)
+        return GenResult(
+            out_ids, text, finish, stop_reason, len(prompt_ids), prompt_lps, prompt_top
+        )
+
+    def _score_prompt(
+        self, logits: torch.Tensor, prompt_ids: list[int], params: GenParams
+    ) -> tuple[list[float | None], list[PromptScore | None]]:
+        """Each prompt token's logprob given the ones before it, and its position's score."""
+        scored = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+        targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
+        picked = scored.gather(1, targets.unsqueeze(1)).squeeze(1)
+        k = params.prompt_logprobs or 0
+        k = scored.shape[-1] if k < 0 else min(k, scored.shape[-1])
+        ranks = (scored > picked.unsqueeze(1)).sum(dim=1) + 1
+        tops: list[PromptScore | None] = [None]
+        if k:
+            vals, idx = torch.topk(scored, k, dim=-1)
+        for pos in range(len(targets)):
+            top = (
+                [(int(i), float(v)) for i, v in zip(idx[pos], vals[pos], strict=True)] if k else []
+            )
+            tops.append(PromptScore(int(ranks[pos]), top))
+        return [None, *picked.tolist()], tops
 
     # --- event-loop side --------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ Two modes:
 from __future__ import annotations
 
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -36,11 +35,8 @@ from lorafleet.engine._generation import budget, check_ids, collect, stops
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import AdapterRecord, GenParams, GenResult, Runtime
 from lorafleet.engine._sse import DONE, event, streaming_response
-from lorafleet.engine.protocol import (
-    GenerateRequest,
-    SGLangLoadLoRAAdapterRequest,
-    SGLangUnloadLoRAAdapterRequest,
-)
+from lorafleet.protocol.front import SGLangLoadLoRAAdapterRequest, SGLangUnloadLoRAAdapterRequest
+from lorafleet.protocol.generation import DEFAULT_MAX_NEW_TOKENS, GenerateRequest, keeps_every_token
 
 __all__ = [
     "GUARDED_PATHS",
@@ -468,39 +464,53 @@ def router(
         ),
     )
     async def sglang_generate(req: GenerateRequest) -> Any:
-        label = req.lora_path or served
+        items = req.items()
+        if len(items) != 1:
+            return _refuse("the reference engine answers one prompt per /generate, not a batch")
+        item = items[0]
+        lora_path = item.lora_path
+        label = lora_path or served
         metrics.requests.labels("/generate", label).inc()
-        if (req.text is None) == (req.input_ids is None):
-            return _refuse("Either text or input_ids should be provided.")
+        sp = item.sampling_params
+        # Never an answer that ignored what was asked: what this engine does not do is refused.
+        refused = [(f"sampling_params.{k}", v) for k, v in sp.beyond({"top_k"})]
+        if item.return_logprob:
+            refused.append(("return_logprob", True))
+        if refused:
+            what, value = refused[0]
+            return _refuse(f"{what}={value!r} is not supported by the reference engine")
         adapter = None
-        if req.lora_path and dialect is not None:
+        if lora_path and dialect is not None:
             try:
-                adapter = await dialect.resolve(req.lora_path, native=True)
+                adapter = await dialect.resolve(lora_path, native=True)
             except SGLangError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status)
-        elif req.lora_path:
-            adapter = runtime.adapters.get(req.lora_path)
+        elif lora_path:
+            adapter = runtime.adapters.get(lora_path)
             if adapter is None:
                 loaded = ", ".join(sorted(runtime.adapters))
                 return _refuse(
                     "The following requested LoRA adapters are not loaded: "
-                    f"{req.lora_path}\nLoaded adapters: {loaded}"
+                    f"{lora_path}\nLoaded adapters: {loaded}"
                 )
-        ids = runtime.encode(req.text) if req.text is not None else list(req.input_ids or [])
+        # input_ids win over text, as in SGLang.
+        ids = list(item.input_ids) if item.input_ids is not None else runtime.encode(item.text)
         try:
             check_ids(runtime, ids)
-            sp = req.sampling_params
+            max_new = DEFAULT_MAX_NEW_TOKENS if sp.max_new_tokens is None else sp.max_new_tokens
+            top_k = sp.top_k or 0
             params = GenParams(
-                max_tokens=budget(runtime, len(ids), sp.max_new_tokens),
+                max_tokens=budget(runtime, len(ids), max_new),
                 temperature=1.0 if sp.temperature is None else sp.temperature,
                 top_p=1.0 if sp.top_p is None else sp.top_p,
+                top_k=0 if keeps_every_token(top_k) else top_k,
                 seed=sp.sampling_seed,
                 stop=stops(sp.stop),
-                ignore_eos=sp.ignore_eos,
+                ignore_eos=bool(sp.ignore_eos),
             )
         except EngineError as exc:
             return _refuse(exc.message)
-        rid = req.rid or uuid.uuid4().hex
+        rid = item.rid
         started = time.monotonic()
 
         def body(text: str, out_ids: list[int], result: GenResult | None) -> dict:

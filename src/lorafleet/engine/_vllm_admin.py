@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from lorafleet.engine._errors import EngineError, responses
 from lorafleet.engine._metrics import EngineMetrics
 from lorafleet.engine._runtime import Runtime
-from lorafleet.engine.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lorafleet.protocol.front import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 __all__ = ["router", "worker_failure"]
 

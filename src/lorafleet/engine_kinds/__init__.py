@@ -139,9 +139,6 @@ class EngineKindInfo:
     """Sampling fields beyond OpenAI's own that this engine's ``/v1/completions`` honours
     (vLLM's ``top_k``, ``min_p``...): a translated request may use them; any other is refused
     by name unless it has its default value."""
-    echo_top_logprobs: bool = True
-    """``/v1/completions`` with ``echo`` lists the prompt's top logprobs too (the reference
-    engine scores only the prompt's own tokens)."""
     abort_route: str | None = None
     """Where the engine aborts a request by its ``rid`` (SGLang: ``/abort_request``); None: the
     data plane ends the upstream request itself."""

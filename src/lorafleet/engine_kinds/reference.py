@@ -11,5 +11,7 @@ KIND = EngineKindInfo(
     rules="lorafleet.rules.reference:REFERENCE",
     launch_spec="lorafleet.engine.spec:ReferenceEngineSpec",
     embedded=True,
-    echo_top_logprobs=False,
+    # What its /v1/completions honours beyond OpenAI's own fields (n, seed and
+    # prompt_logprobs are the base protocol's).
+    completion_fields=frozenset({"top_k"}),
 )

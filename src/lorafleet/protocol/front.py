@@ -38,6 +38,8 @@ __all__ = [
     "SGLANG_PAUSE_MODES",
     "ContinueGenerationRequest",
     "FrontLoadRequest",
+    "FrontSGLangLoadRequest",
+    "FrontSGLangUnloadRequest",
     "FrontUnloadRequest",
     "LoadLoRAAdapterRequest",
     "PauseGenerationRequest",
@@ -108,14 +110,32 @@ class ContinueGenerationRequest(_Model):
 
 
 class SGLangLoadLoRAAdapterRequest(_Model):
-    lora_name: str = Field(min_length=1, max_length=200)
-    lora_path: str = Field(min_length=1, max_length=4096)
+    """SGLang's ``POST /load_lora_adapter``, as SGLang reads it: what the agent sends an SGLang
+    engine and the reference engine's SGLang dialect takes."""
+
+    lora_name: str
+    lora_path: str
     pinned: bool = False
-    """Accepted and ignored: the retention window decides what stays loaded."""
-    lora_id: str | None = Field(default=None, max_length=200)
+    lora_id: str | None = None
+    upsert: bool = False
+    """The Miles fork's extension: replace a registered name (stock SGLang ignores it)."""
 
 
 class SGLangUnloadLoRAAdapterRequest(_Model):
+    lora_name: str
+    lora_id: str | None = None
+
+
+class FrontSGLangLoadRequest(SGLangLoadLoRAAdapterRequest):
+    """The SGLang load body as the front takes it: bounded; ``pinned`` and ``upsert`` accepted
+    and ignored (the retention window decides what stays loaded; every load is a version)."""
+
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    lora_id: str | None = Field(default=None, max_length=200)
+
+
+class FrontSGLangUnloadRequest(SGLangUnloadLoRAAdapterRequest):
     lora_name: str = Field(min_length=1, max_length=200)
     lora_id: str | None = Field(default=None, max_length=200)
 

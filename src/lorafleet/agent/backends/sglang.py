@@ -37,6 +37,7 @@ from lorafleet.agent.backends.base import (
     map_transport,
 )
 from lorafleet.protocol.agent import EngineCapabilities
+from lorafleet.protocol.front import SGLangLoadLoRAAdapterRequest
 
 __all__ = ["SGLangBackend"]
 
@@ -131,11 +132,12 @@ class SGLangBackend(EngineBackend):
         return {"success": False, "error_message": error_message(r), "status": r.status_code}
 
     async def load(self, name: str, path: str, *, replace: bool = False) -> None:
-        body: dict = {"lora_name": name, "lora_path": path}
         upsert = replace and self.upsert
-        if upsert:
-            body["upsert"] = True
-        elif replace:
+        # Only what is asked goes out: stock SGLang is never sent the fork's ``upsert``.
+        body = SGLangLoadLoRAAdapterRequest(
+            lora_name=name, lora_path=path, upsert=upsert
+        ).model_dump(exclude_defaults=True)
+        if replace and not upsert:
             # Not atomic (documented): SGLang refuses to load over a registered name.
             with contextlib.suppress(AdapterMissing):
                 await self.unload(name)

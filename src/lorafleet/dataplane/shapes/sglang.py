@@ -37,8 +37,8 @@ from lorafleet.dataplane.tagging import broke_off, scrub, tag_doc, tag_headers
 from lorafleet.engine_kinds import engine_kind
 from lorafleet.errors import EngineUnavailable, InvalidRequest, ServiceError, StreamInterrupted
 from lorafleet.protocol.errors import error_body
+from lorafleet.protocol.generation import GenerateItem, GenerateRequest, is_native_generate
 from lorafleet.protocol.router import TAG_FIELD
-from lorafleet.protocol.sglang import GenerateItem, GenerateRequest, is_native_generate
 from lorafleet.protocol.trainer_names import NameMap, TrainerName
 
 __all__ = ["SGLangGenerate"]

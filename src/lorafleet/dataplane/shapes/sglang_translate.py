@@ -19,8 +19,8 @@ from lorafleet.dataplane.balancer import Replica
 from lorafleet.dataplane.tagging import tag_doc
 from lorafleet.engine_kinds import EngineKindInfo, engine_kind, model_field
 from lorafleet.errors import InvalidRequest
+from lorafleet.protocol.generation import DEFAULT_MAX_NEW_TOKENS, GenerateItem, GenerateRequest
 from lorafleet.protocol.router import TAG_FIELD
-from lorafleet.protocol.sglang import DEFAULT_MAX_NEW_TOKENS, GenerateItem, GenerateRequest
 
 __all__ = ["Accumulated", "check_translatable", "completion_body", "prompt_scores", "token_id"]
 
@@ -43,32 +43,6 @@ _HARMLESS = {
     "video_data",
     "audio_data",
     "modalities",
-}
-# SGLang's sampling parameters the completions API has no field for (or lorafleet does not map):
-# accepted only with SGLang's default value. ``None``: only when absent.
-_DEFAULTS: dict[str, Any] = {
-    "stop_regex": None,
-    "top_k": (None, -1, 1 << 30),
-    "min_p": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_new_tokens": (None, 0),
-    "n": (None, 1),
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "stop_token_ids": (None, []),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
-    "no_stop_trim": (None, False),
-    "stream_interval": None,
-    "logit_bias": (None, {}),
-    "custom_params": None,
-    "beam_width": (None, 0, 1),
-    "watermark": None,
-    "choice": (None, []),
 }
 # SGLang's name -> the completions field that asks the same, where an engine honours it.
 _COMPLETION_FIELDS = {
@@ -96,17 +70,6 @@ def check_translatable(req: GenerateRequest, item: GenerateItem, kind: EngineKin
             continue
         if v not in (None, False, 0, "", [], {}):
             raise InvalidRequest(f"{k} is not supported {where}", param=k)
-    if (
-        item.return_logprob
-        and item.logprob_start_len >= 0
-        and item.top_logprobs_num
-        and not kind.echo_top_logprobs
-    ):
-        raise InvalidRequest(
-            f"top_logprobs_num with logprob_start_len {item.logprob_start_len} (the prompt's top "
-            f"logprobs) is not supported {where}; its engine scores only the prompt's own tokens",
-            param="logprob_start_len",
-        )
     if item.logprob_start_len < -1:
         raise InvalidRequest(
             "logprob_start_len is -1 or a prompt position", param="logprob_start_len"
@@ -116,19 +79,12 @@ def check_translatable(req: GenerateRequest, item: GenerateItem, kind: EngineKin
             f"top_logprobs_num with return_text_in_logprobs is not supported {where}",
             param="return_text_in_logprobs",
         )
-    sp = item.sampling_params
-    for k, allowed in _DEFAULTS.items():
-        value = getattr(sp, k)
-        if _COMPLETION_FIELDS.get(k) in kind.completion_fields:
-            continue
-        if k == "top_k" and _keeps_every_token(value):
-            continue
-        ok = value is None if allowed is None else value in allowed
-        if not ok:
-            raise InvalidRequest(
-                f"sampling_params.{k}={value!r} is not supported {where}",
-                param=f"sampling_params.{k}",
-            )
+    honoured = {k for k, f in _COMPLETION_FIELDS.items() if f in kind.completion_fields}
+    for k, value in item.sampling_params.beyond(honoured):
+        raise InvalidRequest(
+            f"sampling_params.{k}={value!r} is not supported {where}",
+            param=f"sampling_params.{k}",
+        )
 
 
 def completion_body(
@@ -322,11 +278,6 @@ class Accumulated:
             "meta_info": meta,
             TAG_FIELD: tag_doc(route, replica),
         }
-
-
-def _keeps_every_token(top_k: object) -> bool:
-    """A top_k no vocabulary reaches samples from all of it, as no top_k does (AReaL sends 1e8)."""
-    return isinstance(top_k, int) and top_k >= 1 << 24
 
 
 def token_id(tok: str) -> int | None:

@@ -15,8 +15,7 @@ from lorafleet.dataplane.balancer import Replica
 from lorafleet.dataplane.shapes.base import Call, ForwardShape, Upstream, parse
 from lorafleet.engine_kinds import address, model_field
 from lorafleet.errors import InvalidRequest
-from lorafleet.protocol.generation import TokenGenerateRequest
-from lorafleet.protocol.sglang import is_native_generate
+from lorafleet.protocol.generation import TokenGenerateRequest, is_native_generate
 
 __all__ = ["TokenGenerate", "from_completion"]
 

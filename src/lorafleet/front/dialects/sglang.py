@@ -32,10 +32,10 @@ from lorafleet.front.forward import forward_gated, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import (
     ContinueGenerationRequest,
+    FrontSGLangLoadRequest,
+    FrontSGLangUnloadRequest,
     PauseGenerationRequest,
-    SGLangLoadLoRAAdapterRequest,
     SGLangLoRAUpdateOutput,
-    SGLangUnloadLoRAAdapterRequest,
 )
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
 
@@ -130,7 +130,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         response_model=SGLangLoRAUpdateOutput,
         responses=errors(400, 401, 403, 409, 413, 422, 502, 503),
     )
-    async def load(req: SGLangLoadLoRAAdapterRequest) -> Response:
+    async def load(req: FrontSGLangLoadRequest) -> Response:
         try:
             result = await front.load(req.lora_name, req.lora_path)
         except ServiceError as exc:
@@ -144,7 +144,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
         response_model=SGLangLoRAUpdateOutput,
         responses=errors(400, 401, 403, 404, 409, 413, 503),
     )
-    async def unload(req: SGLangUnloadLoRAAdapterRequest) -> Response:
+    async def unload(req: FrontSGLangUnloadRequest) -> Response:
         try:
             await front.unload(req.lora_name)
         except ServiceError as exc:
