@@ -2,7 +2,8 @@
 
 - here: real PEFT adapters (``make_peft_adapter``), the merged model's greedy output to compare an
   engine against (``merged_greedy``), and real servers on loopback (``start_reference_engine``
-  and its siblings, test defaults over ``lorafleet.launch``), ``wait_until``;
+  and its siblings, test defaults over ``lorafleet.launch``), ``wait_until`` (and
+  ``wait_until_async`` inside an event loop);
 - ``consistency``: a load generator and a checker that every response's version tag was active;
 - ``netbed``: a shaped network of Linux network namespaces (needs root);
 - ``raycluster``: a local multi-node Ray cluster on 127.0.0.1.
@@ -14,12 +15,14 @@ and reference-output helpers need the ``engine`` extra (torch, peft).
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lorafleet.agent.config import AgentSettings
 from lorafleet.agent.spec import AgentSpec
@@ -45,7 +48,10 @@ __all__ = [
     "start_vllm",
     "vllm_python",
     "wait_until",
+    "wait_until_async",
 ]
+
+T = TypeVar("T")
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR = (*DEFAULT_TARGETS, "gate_proj", "up_proj", "down_proj")
@@ -293,17 +299,44 @@ def start_sglang(
 
 
 def wait_until(
-    predicate: Callable[[], object], *, timeout: float = 30.0, message: str = "condition"
-) -> None:
-    """Poll ``predicate`` until it is true; fail with ``message`` after ``timeout`` seconds.
+    predicate: Callable[[], T], *, timeout: float = 30.0, message: str = "condition"
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that; fail with
+    ``message`` after ``timeout`` seconds.
 
-    The timeout only bounds a hang: tests assert what happened, not how fast.
+    The one way a test waits for a condition (not a hand-written deadline loop, not a sleep
+    then an assert). The timeout only bounds a hang: tests assert what happened, not how fast.
     """
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"{message}: still false after {timeout}s")
-        time.sleep(0.05)
+            raise AssertionError(f"{message}: still false after {timeout}s (last: {value!r})")
+        time.sleep(_POLL_S)
+    return value
+
+
+async def wait_until_async(
+    predicate: Callable[[], T | Awaitable[T]],
+    *,
+    timeout: float = 30.0,
+    message: str = "condition",
+) -> T:
+    """``wait_until`` inside an event loop: polls with ``asyncio.sleep``, so the loop's other
+    tasks run meanwhile. ``predicate`` may be a plain function or a coroutine function."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"{message}: still false after {timeout}s (last: {value!r})")
+        await asyncio.sleep(_POLL_S)
+
+
+_POLL_S = 0.05
 
 
 def greedy_completion(
