@@ -29,6 +29,7 @@ from lorafleet.agent.uploads import UploadLimits, UploadManager
 from lorafleet.errors import ServiceError
 from lorafleet.protocol.agent import AdapterState, EngineCapabilities
 from lorafleet.protocol.manifest import FileEntry, Manifest
+from lorafleet.testing import wait_until_async
 
 CFG = b'{"r": 8}'
 
@@ -253,10 +254,7 @@ def test_probe_retries_after_non_json_answer(tmp_path):
 
         await rt.start()
         try:
-            for _ in range(100):
-                if rt.probed:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until_async(lambda: rt.probed, timeout=5, message="the engine probed")
             assert rt.probed and rt.base_model == "tiny"
         finally:
             await rt.stop()
@@ -279,11 +277,11 @@ async def _loop_turns(n: int = 5) -> None:
 
 async def _threads_gone(prefix: str, timeout: float = 10.0) -> None:
     """Wait until no thread named ``prefix...`` runs: an executor drained its queued work."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while any(t.name.startswith(prefix) for t in threading.enumerate()):
-        assert loop.time() < deadline, f"{prefix} threads still running"
-        await asyncio.sleep(0.01)
+    await wait_until_async(
+        lambda: not any(t.name.startswith(prefix) for t in threading.enumerate()),
+        timeout=timeout,
+        message=f"no {prefix} threads running",
+    )
 
 
 def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypatch, tmp_path):
@@ -565,12 +563,13 @@ def test_reconciler_keeps_desired_state_and_retries(node):
         await rec.run_once()  # backing off: no second load right away
         assert loads["n"] == 1 and not rec.ready
         node.engine.refuse = None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while not rec.ready:  # once the back-off has passed, the reinstall succeeds
-            assert loop.time() < deadline, rec.detail
-            await asyncio.sleep(0.02)
+
+        async def reinstalled() -> bool:
             await rec.run_once()
+            return rec.ready
+
+        # once the back-off has passed, the reinstall succeeds
+        await wait_until_async(reinstalled, timeout=10, message="reinstalled after the back-off")
         assert rec.ready and "foo@v1" in node.engine.held
         r = node.db.get("foo", 1).record
         assert r.state == AdapterState.ACTIVE and r.error is None

@@ -10,6 +10,7 @@ import pytest
 from lorafleet.bundle import AdapterBundle
 from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.errors import RemoteError
+from lorafleet.testing import wait_until
 from tests.agent.helpers import auth, completion, put_cut, snapshot
 
 
@@ -101,14 +102,14 @@ def test_resume_after_cut_connection(agent, tmp_path):
     put_cut(agent, sess.upload_id, entry.path, weights, cut_after=(2 << 20) + 12345)
     h = auth(agent)
     url = f"{agent.url}/v1/uploads/{sess.upload_id}/files/{entry.path}"
-    offset = 0
-    for _ in range(50):  # the agent notices the cut asynchronously
+
+    def durable_offset() -> int:
         r = httpx.head(url, headers=h)
         assert r.status_code == 200
-        offset = int(r.headers["Upload-Offset"])
-        if offset:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+        return int(r.headers["Upload-Offset"])
+
+    # the agent notices the cut asynchronously
+    offset = wait_until(durable_offset, timeout=10, message="the cut upload's offset durable")
     assert 0 < offset <= (2 << 20) + 12345
     # a wrong offset is refused with the durable one
     r = httpx.put(url, headers={**h, "Upload-Offset": "1"}, content=weights[1:])

@@ -8,7 +8,6 @@ import signal
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -16,18 +15,21 @@ import pytest
 
 from lorafleet.fleetfile import FleetInfo, pid_alive, read_fleet_file
 from lorafleet.launch import ManagedProcess, lorafleet_argv
-from lorafleet.testing import make_peft_adapter
+from lorafleet.testing import make_peft_adapter, wait_until
 
 
 def _wait_for_fleet(up: ManagedProcess, data_dir: Path, timeout: float = 150.0) -> FleetInfo:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not up.alive():
-            pytest.fail(f"lorafleet up exited with {up.proc.returncode}:\n{up.log_tail()}")
-        if (data_dir / "fleet.json").exists():
-            return read_fleet_file(data_dir)
-        time.sleep(0.2)
-    pytest.fail("fleet.json never appeared:\n" + up.log_tail())
+    try:
+        wait_until(
+            lambda: (data_dir / "fleet.json").exists() or not up.alive(),
+            timeout=timeout,
+            message="fleet.json appeared",
+        )
+    except AssertionError:
+        pytest.fail("fleet.json never appeared:\n" + up.log_tail())
+    if not (data_dir / "fleet.json").exists():
+        pytest.fail(f"lorafleet up exited with {up.proc.returncode}:\n{up.log_tail()}")
+    return read_fleet_file(data_dir)
 
 
 def _port_open(url: str) -> bool:
@@ -58,10 +60,13 @@ def test_up_status_and_sigint_shutdown(tmp_path: Path, tiny_model: Path) -> None
         ]
         assert len(pids) == 5 and all(pid_alive(p) for p in pids)
         urls = [info.router_url] + [u for r in info.replicas for u in (r.agent_url, r.engine_url)]
+
         # The banner carries the secrets and URLs.
-        deadline = time.monotonic() + 30  # fleet.json is written just before the banner
-        while info.api_key not in (banner := up.log_tail(80)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        def banner_printed() -> str | None:  # fleet.json is written just before the banner
+            tail = up.log_tail(80)
+            return tail if info.api_key in tail else None
+
+        banner = wait_until(banner_printed, message="the banner printed")
         assert info.control_token in banner and info.api_key in banner
         assert info.router_url in banner
 

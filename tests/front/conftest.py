@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from fastapi import FastAPI
 
 from lorafleet.front.app import create_app
 from lorafleet.front.service import FrontConfig
+from lorafleet.testing import wait_until
 from tests.fleets import Fleet
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -46,10 +46,7 @@ class FrontServers:
         server = _Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        deadline = time.monotonic() + 30
-        while not (server.started and server.servers):
-            assert time.monotonic() < deadline, "the front did not start"
-            time.sleep(0.02)
+        wait_until(lambda: server.started and server.servers, message="the front started")
         port = server.servers[0].sockets[0].getsockname()[1]
         self.servers.append((server, thread))
         url = f"http://127.0.0.1:{port}"

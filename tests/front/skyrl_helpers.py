@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import uvicorn
 
 from lorafleet.front.app import create_app
 from lorafleet.front.service import FrontConfig
+from lorafleet.testing import wait_until
 
 DRIVER = Path(__file__).with_name("skyrl_driver.py")
 SKYRL_VERSION = "0.4.0"
@@ -83,10 +83,7 @@ def serving(cfg: FrontConfig) -> Iterator[str]:
     server = _Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not (server.started and server.servers):
-        assert time.monotonic() < deadline, "the front did not start"
-        time.sleep(0.02)
+    wait_until(lambda: server.started and server.servers, message="the front started")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"

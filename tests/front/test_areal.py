@@ -20,7 +20,7 @@ import pytest
 
 from lorafleet.front.service import FrontConfig
 from lorafleet.launch import Launcher
-from lorafleet.testing import make_peft_adapter
+from lorafleet.testing import make_peft_adapter, wait_until
 from tests.front.conftest import FrontServers
 
 DRIVER = Path(__file__).with_name("areal_driver.py")
@@ -278,10 +278,7 @@ def test_pause_aborts_what_is_in_flight_and_holds_what_comes(fleet, fronts):
     url, front = _front(fleet, fronts, "vllm")
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(_complete, url, "tiny", 500)
-        deadline = time.monotonic() + 30
-        while front.gate.inflight < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: front.gate.inflight >= 1, message="the generation in flight")
         r = httpx.post(f"{url}/areal_pause_generation", json={})
         assert r.status_code == 200 and r.json()["success"] is True
         body = long.result(timeout=10)  # at once, not after 500 tokens
@@ -290,7 +287,7 @@ def test_pause_aborts_what_is_in_flight_and_holds_what_comes(fleet, fronts):
         assert body["model"] == "tiny"
 
         held = pool.submit(_complete, url, "tiny", 4)
-        time.sleep(0.5)
+        time.sleep(0.5)  # a window for it to (wrongly) get through, not a wait for a condition
         assert not held.done() and front.gate.paused
         r = httpx.post(f"{url}/areal_continue_generation", json={})
         assert r.json() == {"success": True, "message": "Generation continued"}
@@ -302,16 +299,12 @@ def test_pause_aborts_what_is_in_flight_and_holds_what_comes(fleet, fronts):
 
 
 def test_sglang_pause_in_place_lets_the_running_finish(fleet, fronts):
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     url, front = _front(fleet, fronts, "sglang")
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(_complete, url, "tiny", 60)
-        deadline = time.monotonic() + 30
-        while front.gate.inflight < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: front.gate.inflight >= 1, message="the generation in flight")
         r = httpx.post(f"{url}/pause_generation", json={"mode": "in_place"})
         assert r.status_code == 200, r.text
         assert r.json()["message"] == "Generation paused successfully."

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ import pytest
 from lorafleet.front.service import FrontConfig
 from lorafleet.front.uploads import UploadDirLimits
 from lorafleet.launch import Launcher
-from lorafleet.testing import make_peft_adapter, merged_greedy_ids
+from lorafleet.testing import make_peft_adapter, merged_greedy_ids, wait_until
 from tests.fleets import Fleet
 from tests.front.skyrl_helpers import run_driver, serving, skyrl_venv
 
@@ -278,10 +277,7 @@ def test_remote_upload_conformance(skyrl_front, tiny_model, tmp_path):
     assert httpx.delete(f"{front.url}/skyrl/v1/lora-adapters/nope").status_code == 400
     uid = str(uuid.uuid4())
     assert _put(front.url, uid, "adapter_config.json", config).status_code == 200
-    deadline = time.monotonic() + TTL + 10
-    while _staged(front):
-        assert time.monotonic() < deadline, "the abandoned upload was not reaped"
-        time.sleep(0.2)
+    wait_until(lambda: not _staged(front), timeout=TTL + 10, message="the abandoned upload reaped")
     r = _load(front, {"lora_name": "skyrl-up", "upload_id": uid})
     assert r.status_code == 400 and "LoRA upload is incomplete." in r.text
 
@@ -309,10 +305,9 @@ def test_remote_upload_conformance(skyrl_front, tiny_model, tmp_path):
             headers={"X-SkyRL-SHA256": sha, "X-SkyRL-File-Size": str(len(weights))},
             timeout=60,
         )
-        deadline = time.monotonic() + 30
-        while not any(uid2 in str(p) for p in _staged(front)):
-            assert time.monotonic() < deadline, "the first PUT never started"
-            time.sleep(0.05)
+        wait_until(
+            lambda: any(uid2 in str(p) for p in _staged(front)), message="the first PUT started"
+        )
         r = _put(front.url, uid2, "adapter_model.safetensors", weights)
         assert r.status_code == 400 and "being received already" in r.text, r.text
         gate.set()

@@ -9,7 +9,6 @@ token and an API key.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from lorafleet.agent.spec import AgentSpec
 from lorafleet.launch import Launcher, Server
 from lorafleet.launch.listen import bind_listener
 from lorafleet.router.spec import RouterSpec
-from lorafleet.testing import start_agent, start_router
+from lorafleet.testing import start_agent, start_router, wait_until
 
 TOKEN = "fuzz-control-token"
 API_KEY = "fuzz-api-key"
@@ -53,10 +52,10 @@ class _ThreadServer:
 
     def __enter__(self) -> _ThreadServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "engine never started"
-            time.sleep(0.05)
+        wait_until(
+            lambda: self.server.started or not self.thread.is_alive(), message="engine started"
+        )
+        assert self.server.started, "engine never started"
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,11 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from lorafleet.testing import wait_until
 from tests.on_ray.procs import children, group_members, reapers
 
 # The server leads its own session (as lorafleet.launch starts it) and has a child of its own.
@@ -38,15 +38,6 @@ time.sleep(600)
 """
 
 
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 @pytest.fixture
 def worker():
     root = Path(__file__).resolve().parents[2]
@@ -61,7 +52,9 @@ def worker():
         env=env,
     )
     server_pid = int(proc.stdout.readline())
-    assert _wait(lambda: len(group_members(server_pid)) == 2, 10), "the server's child"
+    wait_until(
+        lambda: len(group_members(server_pid)) == 2, timeout=10, message="the server's child"
+    )
     try:
         yield proc, server_pid
     finally:
@@ -82,13 +75,15 @@ def test_a_worker_killed_as_ray_kills_it_takes_the_servers_whole_group(worker):
         os.kill(child, signal.SIGKILL)
     proc.kill()
     proc.wait()
-    assert _wait(lambda: not group_members(server_pid), 10), group_members(server_pid)
-    assert _wait(lambda: not reapers(server_pid), 5)
+    wait_until(lambda: not group_members(server_pid), timeout=10, message="the server's group gone")
+    wait_until(lambda: not reapers(server_pid), timeout=5, message="the watchdog gone")
 
 
 def test_the_watchdog_leaves_once_the_group_is_stopped(worker):
     proc, server_pid = worker
     proc.stdin.write("stop\n")
     proc.stdin.flush()
-    assert _wait(lambda: not reapers(server_pid), 5), "the watchdog outlived a clean stop"
+    wait_until(
+        lambda: not reapers(server_pid), timeout=5, message="the watchdog left after a clean stop"
+    )
     assert proc.poll() is None  # and it did not touch the worker

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.protocol.router import AliasTable
 from lorafleet.publisher import Publisher
-from lorafleet.testing import make_peft_adapter
+from lorafleet.testing import make_peft_adapter, wait_until_async
 from lorafleet.testing.consistency import check, generate_load
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,10 +73,15 @@ def test_100_publications_under_load_are_consistent(
                     max_tokens=2,
                 )
             )
+
             # The load is running (the router has answered some of it) before the first flip.
-            while await _routed(fleet.router.url, "cons") < 5:
+            async def under_way() -> bool:
+                if await _routed(fleet.router.url, "cons") >= 5:
+                    return True
                 assert not load.done(), "the load ended before it reached the router"
-                await asyncio.sleep(0.05)
+                return False
+
+            await wait_until_async(under_way, timeout=120, message="the load reached the router")
             worker = threading.Thread(target=publish_loop)
             worker.start()
             observations = await load

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from lorafleet.errors import PublishError
 from lorafleet.publisher import Publisher
-from lorafleet.testing import make_peft_adapter
+from lorafleet.testing import make_peft_adapter, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,13 +63,12 @@ def test_engine_killed_mid_publish_heals_and_the_next_publish_succeeds(
 
     # The engine comes back (a supervisor restarts it on its port); no person touches anything.
     launcher.restart(fleet.engines[0])  # same spec, same port
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        states = {(x["version"], x["state"]) for x in fleet.adapters(0)}
-        if states == {(1, "active")}:
-            break
-        time.sleep(0.2)
-    assert states == {(1, "active")}, states  # v1 reinstalled, v2 retired by the agent itself
+    # v1 reinstalled, v2 retired by the agent itself
+    wait_until(
+        lambda: {(x["version"], x["state"]) for x in fleet.adapters(0)} == {(1, "active")},
+        timeout=60,
+        message=f"only v1 active on {dead_id} after the engine came back",
+    )
     only_b = _digests(b) - _digests(a) - _digests(c)  # adapter_config.json is the same in all
     assert only_b and not only_b & _blobs(dead)  # no byte of the failed v2
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import time
 
 import httpx
 import pytest
 
+from lorafleet.testing import wait_until
 from tests.router.helpers import install_sync, set_alias, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
@@ -275,14 +275,10 @@ def test_workers_and_abort_end_translated_requests_with_partial_output(routed, f
     for t in threads:
         t.start()
     # Both in flight before the aborts (polled: a quiet machine finishes 400 tokens in ~1 s).
-    deadline = time.monotonic() + 30
-    loads: list[int] = []
-    while time.monotonic() < deadline:
-        loads = [httpx.get(u + "/v1/loads", timeout=10).json()["num_reqs"] for u in urls]
-        if sum(loads) == 2:
-            break
-        time.sleep(0.01)
-    assert sum(loads) == 2, loads
+    wait_until(
+        lambda: sum(httpx.get(u + "/v1/loads", timeout=10).json()["num_reqs"] for u in urls) == 2,
+        message="both long requests in flight on the workers",
+    )
     # One by rid at the router, the other by abort_all on each worker, as Miles does.
     assert (
         httpx.post(routed.url + "/abort_request", json={"rid": "long-a"}, timeout=10).status_code

@@ -16,7 +16,7 @@ def test_wait_until_returns_the_predicates_truthy_value():
 
 
 def test_wait_until_fails_with_the_message_and_the_last_value():
-    with pytest.raises(AssertionError, match=r"never ready: still false after 0.1s \(last: 0\)"):
+    with pytest.raises(AssertionError, match=r"never ready: still false after 0\.1s \(last: 0\)"):
         wait_until(lambda: 0, timeout=0.1, message="never ready")
 
 
@@ -32,7 +32,7 @@ def test_wait_until_async_takes_plain_and_coroutine_predicates_and_lets_the_loop
             return n if n >= 2 else None
 
         assert await wait_until_async(third) == 2
-        with pytest.raises(AssertionError, match="still false after 0.1s"):
+        with pytest.raises(AssertionError, match=r"still false after 0\.1s"):
             await wait_until_async(lambda: False, timeout=0.1)
 
     asyncio.run(main())
