@@ -19,7 +19,7 @@ from lorafleet.agent.spec import AgentSpec
 from lorafleet.engine.spec import ReferenceEngineSpec
 from lorafleet.launch import Launcher, Server
 from lorafleet.router.spec import RouterSpec
-from lorafleet.testing import start_agent, start_reference_engine, start_router
+from lorafleet.testing import start_agent, start_reference_engine, start_router, wait_until
 
 
 @dataclass
@@ -65,18 +65,44 @@ class Fleet:
             out.append(total)
         return out
 
-    def adapters(self, i: int) -> list[dict]:
-        r = httpx.get(
-            f"{self.agents[i].url}/v1/adapters",
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=10,
-        )
+    def adapters(self, i: int, name: str | None = None) -> list[dict]:
+        """Agent ``i``'s adapters (only ``name``'s versions, if given: on a shared fleet)."""
+        r = httpx.get(f"{self.agents[i].url}/v1/adapters", headers=self._auth, timeout=10)
         r.raise_for_status()
-        return r.json()["adapters"]
+        return [a for a in r.json()["adapters"] if name is None or a["name"] == name]
 
     def engine_models(self, i: int) -> set[str]:
         r = httpx.get(f"{self.engines[i].url}/v1/models", timeout=10)
         return {m["id"] for m in r.json()["data"]}
+
+    def forget(self, name: str) -> None:
+        """Remove ``name`` from the fleet: its alias at the router, then every version of it on
+        every agent (and so its engine). What a test on a fleet shared by its module does when
+        it ends, so that the next test finds the engines' adapter slots free."""
+        if self.router is not None and self.router.proc.alive():
+            url = f"{self.router.url}/v1/control/aliases/{name}"
+            r = httpx.delete(url, headers=self._auth, timeout=10)
+            assert r.status_code in (204, 404), r.text
+        for i, agent in enumerate(self.agents):
+            for a in self.adapters(i, name):
+                body = {"name": name, "version": a["version"]}
+                r = httpx.post(
+                    f"{agent.url}/v1/adapters/unload", json=body, headers=self._auth, timeout=30
+                )
+                assert r.status_code == 200, r.text
+
+        def gone() -> bool:
+            return not any(
+                self.adapters(i, name)
+                or any(m == name or m.startswith(f"{name}@v") for m in self.engine_models(i))
+                for i in range(len(self.agents))
+            )
+
+        wait_until(gone, message=f"{name} gone from every agent and engine")
+
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
 
     def restart_agent(self, i: int) -> Server[AgentSpec]:
         """Stop agent ``i`` and start it again: same data directory, same port."""
