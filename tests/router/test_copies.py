@@ -361,3 +361,60 @@ def test_a_session_finished_on_one_copy_ends_everywhere(copies):
         timeout=30,
         message="copy b ended the session",
     )
+
+
+def test_removing_a_replica_drains_the_requests_copies_have_on_it(copies):
+    """A leaving replica is forgotten only once the copies' requests on it have finished: the
+    router's own count is 0 here (no load goes through it), so only the copies' counts can
+    hold the drain until the stopped engine resumes. None of the requests fails."""
+    fleet = copies.fleet
+    leaving = fleet.agents[1].url
+    ctl = httpx.Client(base_url=copies.router.url, headers=copies.ctl(), timeout=60)
+    rid = next(
+        r["replica_id"]
+        for r in ctl.get("/v1/control/replicas").json()["replicas"]
+        if r["agent_url"].rstrip("/") == leaving.rstrip("/")
+    )
+    engine = fleet.engines[1]
+    pool = concurrent.futures.ThreadPoolExecutor(6)
+    engine.proc.signal(signal.SIGSTOP)  # what reaches it now stays in flight on copy a
+    try:
+        futures = [pool.submit(_version, copies.a.url) for _ in range(6)]
+        # Least-loaded spreading sends some to the stopped engine; the rest answer at once.
+        wait_until(
+            lambda: sum(f.done() for f in futures) >= 1 and not all(f.done() for f in futures),
+            timeout=60,
+            message="requests answered by replica 0 and held by the stopped replica 1",
+        )
+        answer: dict = {}
+
+        def remove() -> None:
+            answer["r"] = ctl.delete(f"/v1/control/replicas/{rid}", params={"drain_s": 60})
+            answer["at"] = time.monotonic()
+
+        remover = threading.Thread(target=remove)
+        remover.start()
+        # Room for a drain that ignored the copies to answer early (the assertion below); a
+        # correct one cannot answer before the engine resumes, however long this takes.
+        time.sleep(1.0)
+        resumed = time.monotonic()
+    finally:
+        engine.proc.signal(signal.SIGCONT)
+    remover.join(90)
+    assert answer["r"].status_code == 200, answer["r"].text
+    assert answer["r"].json()["inflight"] == 0 and answer["at"] > resumed
+    try:
+        assert [f.result(timeout=60)[0] for f in futures] == [200] * 6
+    finally:
+        pool.shutdown()
+        # The module's fleet is put back: the replica rejoins and catch-up feeds it.
+        assert ctl.post("/v1/control/replicas", json={"agent_url": leaving}).status_code == 201
+        wait_until(
+            lambda: any(
+                r["agent_url"].rstrip("/") == leaving.rstrip("/") and r["healthy"]
+                for r in ctl.get("/v1/control/replicas").json()["replicas"]
+            ),
+            timeout=120,
+            message="the replica back in the fleet",
+        )
+        ctl.close()

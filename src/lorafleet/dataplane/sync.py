@@ -35,7 +35,7 @@ from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.dataplane.balancer import Balancer
 from lorafleet.dataplane.sessions import Pin
 from lorafleet.errors import LorafleetError, TableStale
-from lorafleet.protocol.router import AliasEntry, CopyReport, DrainCount, Snapshot
+from lorafleet.protocol.router import AliasEntry, CopyReport, DrainCount, ReplicaDrain, Snapshot
 
 __all__ = ["CopyTable", "Syncer"]
 
@@ -51,6 +51,7 @@ class CopyTable:
         self.seq = 0
         self.flipping: frozenset[str] = frozenset()
         self.draining: list[tuple[str, int]] = []
+        self.leaving: list[str] = []
         self.pin_cursor = 0
 
     def apply(self, snap: Snapshot) -> None:
@@ -59,6 +60,7 @@ class CopyTable:
         self.epoch, self.seq = snap.epoch, snap.seq
         self.flipping = frozenset(snap.flipping)
         self.draining = [(d.name, d.version) for d in snap.draining]
+        self.leaving = [d.agent_url for d in snap.leaving]
         self.pin_cursor = snap.pin_cursor
 
 
@@ -103,7 +105,7 @@ class Syncer:
         self._poke = asyncio.Event()
         self._last_tick = clock()
         self._tasks: list[asyncio.Task] = []
-        self._watching: dict[tuple[str, int], asyncio.Task] = {}
+        self._watching: dict[tuple[str, int] | str, asyncio.Task] = {}
         self._unsent: list[Pin] = []
         self._reports = 0
         """Reports built so far; ``_taken``: the latest of them the control plane answered."""
@@ -220,6 +222,9 @@ class Syncer:
                 DrainCount(name=n, version=v, inflight=b.count(n, v))
                 for n, v in self.table.draining
             ],
+            leaving=[
+                ReplicaDrain(agent_url=u, inflight=self._inflight_on(u)) for u in self.table.leaving
+            ],
             url=self.url,
             pid=os.getpid(),
             inflight=sum(r.inflight for r in b.replicas),
@@ -256,18 +261,27 @@ class Syncer:
         self._fresh.set()
         self._fresh = asyncio.Event()
 
+    def _inflight_on(self, agent_url: str) -> int:
+        return sum(r.inflight for r in self.balancer.replicas if r.agent_url == agent_url)
+
     def _watch_drains(self) -> None:
-        """Sync again as soon as a version being drained has nothing in flight here."""
-        keys = set(self.table.draining)
+        """Sync again as soon as a version being drained, or a replica leaving, has nothing in
+        flight here."""
+        keys: set[tuple[str, int] | str] = {*self.table.draining, *self.table.leaving}
         for key, task in list(self._watching.items()):
             if key not in keys:
                 task.cancel()
                 del self._watching[key]
         for key in keys - set(self._watching):
-            self._watching[key] = asyncio.create_task(self._drained(*key))
+            self._watching[key] = asyncio.create_task(self._drained(key))
 
-    async def _drained(self, name: str, version: int) -> None:
-        await self.balancer.wait_drained(name, version, 3600.0)
+    async def _drained(self, key: tuple[str, int] | str) -> None:
+        if isinstance(key, str):
+            # A replica's count has no waiters (it moves with every request): look often.
+            while self._inflight_on(key):
+                await asyncio.sleep(0.02)
+        else:
+            await self.balancer.wait_drained(*key, 3600.0)
         self.poke()
 
     async def _run(self) -> None:

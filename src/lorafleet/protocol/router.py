@@ -87,6 +87,7 @@ __all__ = [
     "MoveReplicaRequest",
     "PinRecord",
     "PinRequest",
+    "ReplicaDrain",
     "ReplicaList",
     "ReplicaStatus",
     "Reservation",
@@ -315,6 +316,13 @@ class DrainCount(_Model):
     inflight: int = Field(ge=0)
 
 
+class ReplicaDrain(_Model):
+    """Requests a copy has in flight on one replica that is leaving the fleet."""
+
+    agent_url: str = Field(max_length=2048)
+    inflight: int = Field(ge=0)
+
+
 class CopyReport(_Model):
     """What a data-plane copy tells the control plane in each sync (its long poll)."""
 
@@ -329,6 +337,8 @@ class CopyReport(_Model):
     """Pins made (or used again) and sessions finished here since the last report."""
     draining: list[DrainCount] = Field(default_factory=list, max_length=4096)
     """In-flight counts for the versions the last snapshot asked about."""
+    leaving: list[ReplicaDrain] = Field(default_factory=list, max_length=4096)
+    """In-flight counts on the replicas the last snapshot said are leaving."""
     url: str | None = Field(default=None, max_length=2048)
     """Where this copy serves (for ``lorafleet status``)."""
     pid: int | None = None
@@ -354,6 +364,8 @@ class Snapshot(_Model):
     (``POST /v1/control/pins``) until the flip is in a snapshot."""
     draining: list[DrainCount] = Field(default_factory=list)
     """Versions being drained: report their in-flight counts (``inflight`` unused here)."""
+    leaving: list[ReplicaDrain] = Field(default_factory=list)
+    """Replicas leaving the fleet: report the requests in flight on each (``inflight`` unused)."""
     pins: list[PinRecord] = Field(default_factory=list)
     """Pins other copies made, from the copy's ``pin_cursor`` on."""
     pin_cursor: int = 0

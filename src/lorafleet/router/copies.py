@@ -4,8 +4,8 @@ fencing, pins and drain counts (the model is Envoy's xDS: docs/router.md).
 Every change to the routing table (a flip, a holder added or dropped, membership) is a new
 ``seq`` of this control plane's ``epoch``. A copy syncs with a long poll (``sync``) that carries
 its report: the seq it applied (its acknowledgement), the pins it made, its in-flight counts for
-the versions being drained. It is answered at once when there is something new for it, else
-after ``wait`` seconds with a heartbeat that renews its lease.
+the versions being drained and the replicas leaving the fleet. It is answered at once when there
+is something new for it, else after ``wait`` seconds with a heartbeat that renews its lease.
 
 A flip waits (``wait_acked``) until every live copy has acknowledged it or is fenced. A copy's
 table is current for ``lease_s`` after it *sent* the sync whose answer it holds, and a copy that
@@ -39,6 +39,7 @@ from lorafleet.protocol.router import (
     CopyStatus,
     DrainCount,
     PinRecord,
+    ReplicaDrain,
     Snapshot,
 )
 
@@ -61,6 +62,7 @@ class _Copy:
     acked: int = 0
     epoch: str | None = None
     draining: dict[tuple[str, int], int] = field(default_factory=dict)
+    leaving: dict[str, int] = field(default_factory=dict)
 
 
 class Copies:
@@ -89,6 +91,8 @@ class Copies:
         self.seq = 1
         self.flipping: set[str] = set()
         self.draining: set[tuple[str, int]] = set()
+        self.leaving: set[str] = set()
+        """Agent URLs of replicas leaving the fleet, whose in-flight counts copies report."""
         self.copies: dict[str, _Copy] = {}
         self._pins: list[Pin] = []
         self._pin_base = 0
@@ -136,6 +140,7 @@ class Copies:
         c.report, c.last_seen = r, now
         c.epoch, c.acked = r.epoch, r.acked if r.epoch == self.epoch else 0
         c.draining = {(d.name, d.version): d.inflight for d in r.draining}
+        c.leaving = {d.agent_url: d.inflight for d in r.leaving}
         if r.pins:
             self.log_pins(self.sessions.merge(Pin(p.session, p.name, p.version) for p in r.pins))
         # Sessions idle past their lifetime end everywhere; the in-process data plane's own
@@ -161,6 +166,7 @@ class Copies:
             agents=list(self._agents()) if full else None,
             flipping=sorted(self.flipping),
             draining=[DrainCount(name=n, version=v, inflight=0) for n, v in sorted(self.draining)],
+            leaving=[ReplicaDrain(agent_url=u, inflight=0) for u in sorted(self.leaving)],
             pins=[PinRecord(session=p.session, name=p.name, version=p.version) for p in pins],
             pin_cursor=self._pin_base + start + len(pins),
             lease_s=self.lease_s,
@@ -173,6 +179,7 @@ class Copies:
             or c.acked < self.seq
             or self.pin_seq > cursor
             or any(k not in c.draining for k in self.draining)
+            or any(u not in c.leaving for u in self.leaving)
         )
 
     async def sync(self, r: CopyReport, wait: float) -> Snapshot:
@@ -264,28 +271,48 @@ class Copies:
 
     def count(self, name: str, version: int) -> int:
         """Requests in flight for (name, version) on every live copy, as last reported."""
+        return self._sum(lambda c: c.draining.get((name, version)))
+
+    def count_on(self, agent_url: str) -> int:
+        """Requests in flight on the replica at ``agent_url`` on every live copy, as reported."""
+        return self._sum(lambda c: c.leaving.get(agent_url))
+
+    def _sum(self, reported: Callable[[_Copy], int | None]) -> int:
         self._forget_dead()
-        key = (name, version)
-        return sum(c.draining.get(key, 0) for c in self.copies.values() if not self.fenced(c))
+        return sum(reported(c) or 0 for c in self.copies.values() if not self.fenced(c))
 
     async def wait_drained(self, name: str, version: int, deadline: float) -> int:
         """Ask every copy for its count of (name, version) and wait until all are 0 or the
         deadline (monotonic) passes; the count left."""
         key = (name, version)
         self.draining.add(key)
-        self._wake()
         try:
-            while True:
-                live = [c for c in self.copies.values() if not self.fenced(c)]
-                reported = all(key in c.draining for c in live)
-                left = self.count(name, version)
-                if (reported and left == 0) or self._clock() >= deadline:
-                    return left if reported else max(left, 1)
-                acked = self._acked
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(acked.wait(), max(0.01, deadline - self._clock()))
+            return await self._wait_zero(lambda c: c.draining.get(key), deadline)
         finally:
             self.draining.discard(key)
+
+    async def wait_replica_drained(self, agent_url: str, deadline: float) -> int:
+        """Ask every copy for its requests in flight on the replica at ``agent_url`` (leaving
+        the fleet) and wait until all are 0 or the deadline passes; the count left."""
+        self.leaving.add(agent_url)
+        try:
+            return await self._wait_zero(lambda c: c.leaving.get(agent_url), deadline)
+        finally:
+            self.leaving.discard(agent_url)
+
+    async def _wait_zero(self, reported: Callable[[_Copy], int | None], deadline: float) -> int:
+        """Until every live copy reported (not None) a count, and they sum to 0; or the
+        deadline. A copy that has not reported counts as 1 at the deadline."""
+        self._wake()
+        while True:
+            live = [c for c in self.copies.values() if not self.fenced(c)]
+            answered = all(reported(c) is not None for c in live)
+            left = self._sum(reported)
+            if (answered and left == 0) or self._clock() >= deadline:
+                return left if answered else max(left, 1)
+            acked = self._acked
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(acked.wait(), max(0.01, deadline - self._clock()))
 
     # --- status --------------------------------------------------------------------------------
 

@@ -131,14 +131,19 @@ def routes(ctx: RouteContext) -> APIRouter:
         drain_s: Annotated[float, Query(ge=0, le=3600)] = 30.0,
     ) -> ReplicaStatus:
         """A member leaves: taken off every version at once (no new request goes there), then
-        drained (its requests in flight finish, up to ``drain_s``), then forgotten. Its answer
-        says how many requests were still in flight when it was forgotten (0: drained)."""
+        drained (its requests in flight finish, on the router and on every data-plane copy, up
+        to ``drain_s``), then forgotten. Its answer says how many requests were still in
+        flight when it was forgotten (0: drained)."""
         r = find(replica_id)
         store.forget_replica(r.replica_id or r.agent_url, member=False)
         deadline = time.monotonic() + drain_s
         while r.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        # The data-plane copies send there too: each reports its own count once it serves the
+        # table without the replica.
+        on_copies = await router.copies.wait_replica_drained(r.agent_url, deadline)
         status = replica_status(r)
+        status.inflight += on_copies
         if router.poller is not None:
             await router.poller.unwatch(r)
         balancer.remove(r)
