@@ -38,6 +38,7 @@ LorafleetError
 │   ├── InternalError             500 internal_error
 │   ├── EngineRejected            502 engine_rejected
 │   │   ├── AdapterNotApplied     502 adapter_not_applied   (loaded, but outputs are the base's)
+│   │   ├── CanaryMismatch        502 canary_mismatch       (applied, not as the trainer computed)
 │   │   └── StreamInterrupted     502 stream_interrupted    (an engine's stream broke mid-way)
 │   ├── Unavailable               503
 │   │   ├── EngineUnavailable     503 engine_unavailable
@@ -67,6 +68,7 @@ __all__ = [
     "AdapterNotFound",
     "BodyTooLarge",
     "BundleError",
+    "CanaryMismatch",
     "Conflict",
     "DigestMismatch",
     "EngineRejected",
@@ -435,6 +437,13 @@ class AdapterNotApplied(EngineRejected):
     """The engine took the adapter but answers as the base model when asked for it."""
 
     code = ErrorCode.ADAPTER_NOT_APPLIED
+
+
+class CanaryMismatch(EngineRejected):
+    """The engine applies the adapter, but its log-probabilities on the trainer's canary are
+    not the trainer's (``lorafleet.protocol.canary``); the message has the figures."""
+
+    code = ErrorCode.CANARY_MISMATCH
 
 
 class StreamInterrupted(ServiceError):

@@ -30,6 +30,7 @@ from lorafleet.protocol.agent import (
     UploadSession,
     credential_digest,
 )
+from lorafleet.protocol.canary import Canary, CanaryVerdict
 from lorafleet.protocol.manifest import FileEntry, Manifest
 
 __all__ = ["InstallTimeouts", "ReplicaInstall"]
@@ -179,15 +180,28 @@ class ReplicaInstall:
             self.client.load(self.name, self.version, mode), self.timeouts.load_s
         )
 
-    async def prove(self) -> AdapterRecord:
+    async def prove(self, canary: Canary | None = None) -> AdapterRecord:
         """Have the agent check that its engine applies the loaded version, addressed as the
-        router will address it (its record's ``application``). Raises ``AdapterNotApplied``
-        when the engine answers as the base model; with a manifest, ``InstallFailed`` when the
+        router will address it (its record's ``application``), and with ``canary`` that it
+        answers the trainer's canary as the trainer did (its record's ``canary``). Raises
+        ``AdapterNotApplied`` when the engine answers as the base model, ``CanaryMismatch``
+        when it answers the canary otherwise; with a manifest, ``InstallFailed`` when the
         agent proved other bytes than those being installed."""
-        rec = await self._bounded(self.client.verify(self.name, self.version), self.timeouts.load_s)
+        rec = await self._bounded(
+            self.client.verify(self.name, self.version, canary), self.timeouts.load_s
+        )
         if self.manifest is not None and rec.digest != self.manifest.digest:
             raise InstallFailed(f"it proved other bytes ({rec.digest[:12]})")
         return rec
+
+    async def canary_verdict(self) -> CanaryVerdict | None:
+        """The canary verdict the agent recorded for this version (after a ``CanaryMismatch``:
+        the figures); None when it cannot be read."""
+        with contextlib.suppress(LorafleetError, TimeoutError):
+            for rec in await self._bounded(self.client.list_adapters(), self.timeouts.call_s):
+                if rec.name == self.name and rec.version == self.version:
+                    return rec.canary
+        return None
 
     async def activate(self) -> AdapterRecord:
         """Record the version as the name's active one on the agent."""

@@ -37,6 +37,7 @@ def test_publish_cli_directory_and_native_checkpoint(launcher, make_fleet, tiny_
     # Two agents on one host: one copy each (the relay is the default across hosts).
     assert "published policy v1 (atomic, remote_upload) as policy@v1" in r.stdout
     assert " 0 relayed)" in r.stdout
+    assert "canary: none" in r.stderr  # skipped, and it says so
 
     # a native-only checkpoint file plus its config, published as v2
     ckpt = tmp_path / "native.pt"
@@ -56,6 +57,11 @@ def test_publish_cli_directory_and_native_checkpoint(launcher, make_fleet, tiny_
     r = _publish(str(a), "--name", "policy", "--version", "1", *target)
     assert r.returncode == 1
     assert "not newer than the active version 2" in r.stderr
+
+    # the canary computed on CPU from the base model and the directory, judged on each replica
+    r = _publish(str(a), "--name", "policy", "--canary-model", str(tiny_model), *target)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("canary passed: mean |Δ log p|") == 2, r.stdout
 
     # a checkpoint file without its config is a usage error
     r = _publish(str(ckpt), "--name", "policy", *target)

@@ -44,6 +44,7 @@ from lorafleet.errors import (
     AdapterInvalid,
     AdapterNotApplied,
     AdapterNotFound,
+    CanaryMismatch,
     IntegrityError,
     InvalidRequest,
     PathNotAllowed,
@@ -61,6 +62,7 @@ from lorafleet.protocol.agent import (
     UploadSession,
     engine_name,
 )
+from lorafleet.protocol.canary import CANARY_TOP_K, Canary, CanaryVerdict, judge
 from lorafleet.protocol.manifest import ADAPTER_CONFIG, Manifest
 
 __all__ = ["AdapterService"]
@@ -366,12 +368,14 @@ class AdapterService:
                 return i
         return None
 
-    async def verify(self, name: str, version: int) -> AdapterRecord:
-        """Check that the engine applies this loaded version, addressed as the router will.
+    async def verify(self, name: str, version: int, canary: Canary | None = None) -> AdapterRecord:
+        """Check that the engine applies this loaded version, addressed as the router will,
+        and (with ``canary``) that it answers the trainer's canary as the trainer did.
 
-        Records the outcome on the record. Raises ``AdapterNotApplied`` when the engine answers
-        as the base model for a version whose delta should show, ``EngineUnavailable`` when the
-        probe cannot run, ``AdapterConflict`` when the version is not in the engine.
+        Records the outcomes on the record. Raises ``AdapterNotApplied`` when the engine answers
+        as the base model for a version whose delta should show, ``CanaryMismatch`` when its
+        canary verdict is ``failed``, ``EngineUnavailable`` when the probe cannot run,
+        ``AdapterConflict`` when the version is not in the engine.
         """
         if self.probe is None:
             raise EngineUnavailable("the engine has not been probed yet")
@@ -388,7 +392,24 @@ class AdapterService:
             self.db.put(StoredAdapter(rec, item.manifest))
             if verdict.outcome == "not_applied":
                 raise AdapterNotApplied(f"{name!r} v{version}: {verdict.detail}")
+            if canary is not None:
+                judged = await self._canary(rec.engine_name, canary)
+                self.metrics.canary_checks.labels(judged.outcome).inc()
+                rec = rec.model_copy(update={"canary": judged})
+                self.db.put(StoredAdapter(rec, item.manifest))
+                if judged.outcome == "failed":
+                    raise CanaryMismatch(f"{name!r} v{version}: {judged.detail}")
             return rec
+
+    async def _canary(self, engine_name: str, canary: Canary) -> CanaryVerdict:
+        assert self.probe is not None
+        answers = [
+            await self.backend.next_token_logprobs(
+                self.probe.base_model, engine_name, p.prompt_ids, CANARY_TOP_K
+            )
+            for p in canary.prompts
+        ]
+        return judge(canary, answers, engine_kind(self.caps.kind).canary_tolerance)
 
     async def activate(self, name: str, version: int) -> AdapterRecord:
         async with self.locks[name]:

@@ -45,6 +45,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.canary_checks = Counter(
+            "lorafleet_agent_canary_checks",
+            "Trainer canaries judged before a cutover, by outcome (passed, failed, uninformative)",
+            ["outcome"],
+            registry=r,
+        )
         self.relay_hops = Counter(
             "lorafleet_agent_relay_hops",
             "Files forwarded to a peer agent, by the peer's outcome (ok, or its error code, "

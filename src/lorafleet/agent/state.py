@@ -15,6 +15,7 @@ import sqlite3
 from pathlib import Path
 
 from lorafleet.protocol.agent import AdapterRecord, AdapterState
+from lorafleet.protocol.canary import CanaryVerdict
 from lorafleet.protocol.manifest import Manifest
 
 __all__ = ["StateDB", "StoredAdapter"]
@@ -32,11 +33,16 @@ CREATE TABLE IF NOT EXISTS adapters (
     manifest TEXT NOT NULL,
     application TEXT NOT NULL DEFAULT 'unchecked',
     delta_bound REAL,
+    canary TEXT,
     PRIMARY KEY (name, version)
 )
 """
 # Columns added after the first release, for state.db files an older agent wrote.
-_ADDED = {"application": "TEXT NOT NULL DEFAULT 'unchecked'", "delta_bound": "REAL"}
+_ADDED = {
+    "application": "TEXT NOT NULL DEFAULT 'unchecked'",
+    "delta_bound": "REAL",
+    "canary": "TEXT",
+}
 WAL_PAGES = 32
 """Checkpoint the write-ahead log once it holds this many pages (4 KiB each)."""
 WAL_BYTES = 128 * 1024
@@ -75,7 +81,8 @@ class StateDB:
         r = item.record
         self._db.execute(
             "INSERT OR REPLACE INTO adapters (name, version, digest, engine_name, mode, state, "
-            "path, error, manifest, application, delta_bound) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "path, error, manifest, application, delta_bound, canary) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 r.name,
                 r.version,
@@ -88,6 +95,7 @@ class StateDB:
                 item.manifest.model_dump_json(),
                 r.application,
                 r.delta_bound,
+                r.canary.model_dump_json() if r.canary is not None else None,
             ),
         )
 
@@ -107,12 +115,12 @@ class StateDB:
     def _select(self, where: str, args: tuple) -> list[StoredAdapter]:
         cur = self._db.execute(
             "SELECT name, version, digest, engine_name, mode, state, path, error, manifest, "
-            f"application, delta_bound FROM adapters {where}",
+            f"application, delta_bound, canary FROM adapters {where}",
             args,
         )
         out = []
         for row in cur.fetchall():
-            name, version, digest, ename, mode, state, path, error, manifest, app, bound = row
+            name, version, digest, ename, mode, state, path, error, manifest, app, bound, can = row
             rec = AdapterRecord(
                 name=name,
                 version=version,
@@ -124,6 +132,7 @@ class StateDB:
                 error=error,
                 application=app,
                 delta_bound=bound,
+                canary=CanaryVerdict.model_validate_json(can) if can else None,
             )
             out.append(StoredAdapter(rec, Manifest.model_validate_json(manifest)))
         return out

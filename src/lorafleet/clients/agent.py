@@ -50,6 +50,7 @@ from lorafleet.protocol.agent import (
     repr_digest,
     upload_url,
 )
+from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.manifest import FileEntry, Manifest
 
 __all__ = ["AsyncAgentClient"]
@@ -211,10 +212,12 @@ class AsyncAgentClient:
         resp = await self._request("POST", "/v1/adapters/load", json=body)
         return AdapterRecord.model_validate(resp.json())
 
-    async def verify(self, name: str, version: int) -> AdapterRecord:
+    async def verify(self, name: str, version: int, canary: Canary | None = None) -> AdapterRecord:
         """Ask the agent to check that its engine applies the loaded version (the record's
-        ``application``). Raises ``AdapterNotApplied`` when it answers as the base model."""
-        body = _body(VerifyRequest, name=name, version=version)
+        ``application``), and answers ``canary`` as the trainer did (the record's ``canary``).
+        Raises ``AdapterNotApplied`` when it answers as the base model, ``CanaryMismatch`` when
+        it answers the canary otherwise."""
+        body = _body(VerifyRequest, name=name, version=version, canary=canary)
         resp = await self._request("POST", "/v1/adapters/verify", json=body, extensions=REPLAYABLE)
         return AdapterRecord.model_validate(resp.json())
 

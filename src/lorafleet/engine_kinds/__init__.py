@@ -61,6 +61,9 @@ class EngineBackend(Protocol):
     async def reset_prefix_cache(self, reset_running_requests: bool) -> PrefixCacheReset: ...
     async def tokenize(self, body: dict[str, Any]) -> EngineReply: ...
     async def detokenize(self, body: dict[str, Any]) -> EngineReply: ...
+    async def next_token_logprobs(
+        self, base_model: str, engine_name: str | None, prompt_ids: list[int], k: int
+    ) -> dict[int, float]: ...
     async def aclose(self) -> None: ...
 
 
@@ -131,6 +134,10 @@ class EngineKindInfo:
     """Whether an engine's error answer (status, body) to a generation request says it does
     not hold the adapter it was asked for (vLLM: 404). The router then tries a replica that
     does: the table can be a health poll behind an engine that restarted empty."""
+    canary_tolerance: float = 0.5
+    """The largest |engine - trainer| next-token log-probability (nats) on the canary that this
+    kind's engine reaches for a correctly applied adapter (``lorafleet.protocol.canary``):
+    kernels and dtypes differ from the trainer's; measured per kind, bench/RESULTS.md."""
     native_routes: frozenset[str] = frozenset()
     """Generation routes of lorafleet's data plane this engine serves itself, in the same shape
     (vLLM: ``/inference/v1/generate``; SGLang: ``/generate``); elsewhere the data plane

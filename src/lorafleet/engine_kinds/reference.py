@@ -11,6 +11,8 @@ KIND = EngineKindInfo(
     rules="lorafleet.rules.reference:REFERENCE",
     launch_spec="lorafleet.engine.spec:ReferenceEngineSpec",
     embedded=True,
+    # float32 torch, the trainer's own arithmetic: 2e-6 at most measured (bench/RESULTS.md).
+    canary_tolerance=0.01,
     # What its /v1/completions honours beyond OpenAI's own fields (n, seed and
     # prompt_logprobs are the base protocol's).
     completion_fields=frozenset({"top_k"}),

@@ -27,4 +27,7 @@ KIND = EngineKindInfo(
             "logit_bias",
         }
     ),
+    # float32 on CPU matched PEFT to 2e-6; bf16 kernels on a GPU differ from a float32 trainer
+    # by tenths of a nat at the extremes (not measured here): the relative rule decides there.
+    canary_tolerance=0.5,
 )

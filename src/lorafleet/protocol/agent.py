@@ -32,7 +32,9 @@ Adapters::
     POST   /v1/adapters/register   RegisterPathRequest (shared filesystem) -> AdapterRecord
     POST   /v1/adapters/load       LoadRequest -> AdapterRecord ("loaded")
     POST   /v1/adapters/verify     VerifyRequest -> AdapterRecord (``application`` set); 502
-                                   adapter_not_applied when the engine ignores the adapter
+                                   adapter_not_applied when the engine ignores the adapter, 502
+                                   canary_mismatch when it answers the trainer's canary
+                                   otherwise than the trainer (``protocol/canary.py``)
     POST   /v1/adapters/activate   ActivateRequest -> AdapterRecord ("active")
     POST   /v1/adapters/unload     UnloadRequest -> AdapterRecord (removed from engine and store);
                                    503 engine_unavailable: it stays "retiring" and the agent
@@ -54,6 +56,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lorafleet.errors import InvalidRequest
+from lorafleet.protocol.canary import Canary, CanaryVerdict
 from lorafleet.protocol.manifest import FileEntry, Manifest
 from lorafleet.protocol.names import AdapterName, Version
 
@@ -319,6 +322,8 @@ class LoadRequest(_Model):
 class VerifyRequest(_Model):
     name: AdapterName
     version: Version
+    canary: Canary | None = None
+    """The trainer's canary: the engine must also answer it as the trainer computed."""
 
 
 class ActivateRequest(_Model):
@@ -355,6 +360,8 @@ class AdapterRecord(_Model):
     or too small to show), ``not_applied``, or ``unchecked``."""
     delta_bound: float | None = None
     """Upper bound on the entries of its weight delta (0: it changes nothing; None: unknown)."""
+    canary: CanaryVerdict | None = None
+    """How the engine answered the trainer's canary at the last verify that sent one."""
 
 
 class AdapterList(_Model):

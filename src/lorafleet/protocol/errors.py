@@ -62,6 +62,7 @@ class ErrorCode(StrEnum):
     ADAPTER_INVALID = "adapter_invalid", 422
     ENGINE_REJECTED = "engine_rejected", 502
     ADAPTER_NOT_APPLIED = "adapter_not_applied", 502
+    CANARY_MISMATCH = "canary_mismatch", 502
     ENGINE_UNAVAILABLE = "engine_unavailable", 503
     NO_REPLICA = "no_replica", 503
     TABLE_STALE = "table_stale", 503

@@ -9,6 +9,7 @@ from typing import Literal
 
 from lorafleet.bundle import AdapterBundle
 from lorafleet.protocol.agent import LoadMode, engine_name
+from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.router import SessionPolicy
 
 __all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
@@ -45,6 +46,8 @@ class Plan:
     """Relay: how many agents each agent forwards a file to (1: a chain)."""
     relay_stall_s: float = 10.0
     """Relay: a hop that moves no byte for this long is dropped and resumed by the Publisher."""
+    canary: Canary | None = None
+    """The trainer's canary, judged on every replica at the proof (``protocol/canary.py``)."""
     quorum: int | None = None
     """How many replicas must take v (verified, loaded, proven) for it to succeed; None: all
     of them (the atomic default). Below it the publication rolls back as with None."""

@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from lorafleet.clients.agent import AsyncAgentClient
-from lorafleet.errors import EngineUnavailable, LorafleetError
+from lorafleet.errors import CanaryMismatch, EngineUnavailable, LorafleetError
 from lorafleet.install import InstallTimeouts, ReplicaInstall
 from lorafleet.protocol.agent import (
     AdapterState,
@@ -157,12 +157,18 @@ class ReplicaTxn:
 
     async def verify(self) -> None:
         """Have the agent check that its engine applies the loaded version, addressed as the
-        router will address it. Raises ``AdapterNotApplied`` when it answers as the base
-        model, or like ``stage``."""
+        router will address it, and that it answers the plan's canary as the trainer did.
+        Raises ``AdapterNotApplied`` when it answers as the base model, ``CanaryMismatch``
+        when it answers the canary otherwise, or like ``stage``."""
         t = time.perf_counter()
-        rec = await self.install.prove()
+        try:
+            rec = await self.install.prove(self.plan.canary)
+        except CanaryMismatch:
+            self.timing.canary = await self.install.canary_verdict()
+            raise
         self.timing.probe_s = time.perf_counter() - t
         self.timing.application = rec.application
+        self.timing.canary = rec.canary
 
     async def roll_back(self) -> str | None:
         """Undo this publication here: discard its staging and unload its version (only with its

@@ -131,6 +131,13 @@ def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
     help="Quorum: succeed once this many replicas (a count, or a fraction like 0.75) hold the "
     "version; the others lag and catch up from peers [default: every replica].",
 )
+@click.option(
+    "--canary-model",
+    default=None,
+    help="The base model (a directory or hub id) to compute the trainer's canary with, on CPU "
+    "(needs torch and peft): every replica must answer it as this adapter on that model does "
+    "before the flip [default: no canary; the application probe alone].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def command(
     path: str,
@@ -147,6 +154,7 @@ def command(
     keep_versions: int,
     max_staleness: int | None,
     min_replicas: str | None,
+    canary_model: str | None,
     as_json: bool,
 ) -> None:
     """Publish the adapter at PATH (a PEFT directory or a state-dict file) to every replica."""
@@ -168,6 +176,15 @@ def command(
     agent_urls, router_url, token = _targets(fleet_dir, agents, router, token)
     source, config = _source(path, config_path)
     console = Console(stderr=True)
+    canary = None
+    if canary_model is not None:
+        if not Path(path).is_dir():
+            raise click.BadParameter("needs a PEFT directory as PATH", param_hint="--canary-model")
+        from lorafleet.publisher.canary import canary_from_dir
+
+        canary = canary_from_dir(canary_model, path)
+    else:
+        console.print("canary: none (--canary-model not given); the application probe alone")
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -204,6 +221,7 @@ def command(
                 keep_versions=keep_versions,
                 max_staleness=max_staleness,
                 min_replicas=quorum,
+                canary=canary,
             )
     except PublishError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -223,6 +241,7 @@ def command(
             f"{t.bytes_relayed} relayed), verify {t.verify_s * 1e3:.0f} ms, "
             f"load {t.load_s * 1e3:.0f} ms, {t.files_deduplicated} file(s) deduplicated, "
             f"application {t.application} (probe {t.probe_s * 1e3:.0f} ms)"
+            + (f", canary {t.canary.outcome}: {t.canary.detail}" if t.canary else "")
         )
     if result.retired_versions:
         click.echo(f"  retired: {', '.join(f'v{v}' for v in result.retired_versions)}")

@@ -45,6 +45,7 @@ from lorafleet.errors import (
     VersionConflict,
 )
 from lorafleet.protocol.agent import MAX_FANOUT, AdapterState
+from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.names import check_name
 from lorafleet.protocol.router import LagState, SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
@@ -164,8 +165,16 @@ class AsyncPublisher:
         max_staleness: int | None = None,
         sessions: SessionPolicy = "pin",
         min_replicas: int | float | None = None,
+        canary: Canary | None = None,
     ) -> PublishResult:
         """Publish ``source`` as ``name`` on every replica. See the module docstring.
+
+        ``canary`` (``lorafleet.publisher.canary.compute_canary`` on the trainer's model):
+        each replica's engine must also answer it as the trainer did before the flip
+        (``lorafleet.protocol.canary``: the rule, and why it is relative); a replica that does
+        not fails the publication (``CanaryMismatch``, with the figures) or, under a quorum, is
+        left lagging. The verdicts are in ``PublishResult.replicas[*].canary``. None: the
+        application probe alone (the engine does not answer as the base model).
 
         ``min_replicas`` (a count, or a fraction of the replicas in (0, 1]; needs a router):
         succeed once that many replicas hold the new version verified, loaded and proven. The
@@ -240,7 +249,7 @@ class AsyncPublisher:
                         attempt, bundle, name, version, previous, window, lag, unreachable, quorum,
                         mode=mode, transfer=transfer, keep_versions=keep_versions,
                         max_staleness=max_staleness, sessions=sessions, t_start=t_start,
-                        build_s=build_s,
+                        build_s=build_s, canary=canary,
                     )  # fmt: skip
                 except BaseException:
                     if self.router is not None and not attempt.burnt:
@@ -271,6 +280,7 @@ class AsyncPublisher:
         sessions: SessionPolicy,
         t_start: float,
         build_s: float,
+        canary: Canary | None = None,
     ) -> PublishResult:
         """The publication proper, under the lease, with its version number taken."""
         skipped: dict[str, str] = {}
@@ -319,6 +329,7 @@ class AsyncPublisher:
             relay_fanout=self.relay_fanout,
             relay_stall_s=self.relay_stall_s,
             quorum=quorum,
+            canary=canary,
         )
         publication = Publication(
             plan,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from lorafleet.protocol.canary import CanaryVerdict
+
 __all__ = ["Lagging", "PublishResult", "ReplicaState", "ReplicaTiming", "Timeouts"]
 
 
@@ -39,6 +41,8 @@ class ReplicaTiming:
     application: str = "unchecked"
     """Whether the engine was seen to apply the version before the cutover: ``applied``,
     ``unverifiable`` (its delta is zero or too small to show), ``not_applied``, ``unchecked``."""
+    canary: CanaryVerdict | None = None
+    """How the engine answered the trainer's canary (figures against trainer and base)."""
     bytes_sent: int = 0
     """Bytes that left the Publisher for this replica (its share of the trainer's egress)."""
     bytes_relayed: int = 0

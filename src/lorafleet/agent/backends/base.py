@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from lorafleet._http import async_client, error_message
-from lorafleet.engine_kinds import EngineReply, PrefixCacheReset
+from lorafleet.engine_kinds import EngineReply, PrefixCacheReset, model_field
 from lorafleet.errors import EngineRejected, EngineUnavailable, LorafleetError
 from lorafleet.protocol.agent import EngineCapabilities
 
@@ -132,6 +132,33 @@ class EngineBackend(ABC):
         """``POST /detokenize`` -> ``{"prompt"}`` (vLLM's answer), relayed as it came. Raises
         ``EngineUnavailable`` when the engine does not answer."""
         return await self._relay("/detokenize", body)
+
+    async def next_token_logprobs(
+        self, base_model: str, engine_name: str | None, prompt_ids: list[int], k: int
+    ) -> dict[int, float]:
+        """The top-``k`` next-token log-probabilities after ``prompt_ids`` (token id -> value),
+        greedy, addressed as the router addresses ``engine_name`` (None: the base). OpenAI's
+        ``/v1/completions`` with vLLM's ``return_tokens_as_token_ids``; a sampled token's top-k
+        goes through the engine's normal path, safe under live traffic (``agent/probe.py``).
+        Raises ``EngineUnavailable`` (no answer) or ``EngineRejected``."""
+        body = {
+            "model": model_field(self.kind, base_model, engine_name),
+            "prompt": prompt_ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": k,
+            "return_tokens_as_token_ids": True,
+        }
+        with map_transport(self.url):
+            r = await self.http.post("/v1/completions", json=body, timeout=60.0)
+        if r.status_code != 200:
+            raise EngineRejected(f"/v1/completions answered {r.status_code}: {error_message(r)}")
+        try:
+            top = json_dict(r)["choices"][0]["logprobs"]["top_logprobs"][0]
+            return {int(t.removeprefix("token_id:")): float(v) for t, v in top.items()}
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            why = f"/v1/completions answered no top logprobs: {r.text[:200]}"
+            raise EngineRejected(why) from exc
 
     async def _relay(self, route: str, body: dict[str, Any]) -> EngineReply:
         with map_transport(self.url):

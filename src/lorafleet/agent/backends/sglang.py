@@ -113,6 +113,29 @@ class SGLangBackend(EngineBackend):
         out["prompt"] = out["text"]
         return EngineReply(200, json.dumps(out).encode(), "application/json")
 
+    async def next_token_logprobs(
+        self, base_model: str, engine_name: str | None, prompt_ids: list[int], k: int
+    ) -> dict[int, float]:
+        """SGLang's native ``/generate`` (its OpenAI route names tokens only by text):
+        ``output_top_logprobs[0]`` lists ``(logprob, token_id, text)`` for the first token."""
+        body: dict[str, Any] = {
+            "input_ids": prompt_ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": k,
+        }
+        if engine_name is not None:
+            body["lora_path"] = engine_name
+        with map_transport(self.url):
+            r = await self.http.post("/generate", json=body, timeout=60.0)
+        if r.status_code != 200:
+            raise EngineRejected(f"/generate answered {r.status_code}: {error_message(r)}")
+        try:
+            top = json_dict(r)["meta_info"]["output_top_logprobs"][0]
+            return {int(item[1]): float(item[0]) for item in top}
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineRejected(f"/generate answered no top logprobs: {r.text[:200]}") from exc
+
     async def list_adapters(self) -> dict[str, str]:
         return {
             str(c["id"]): str(c.get("root") or "") for c in await self.models() if c.get("parent")

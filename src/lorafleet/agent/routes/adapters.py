@@ -54,8 +54,9 @@ def routes(ctx: AgentRoutes) -> APIRouter:
     )
     async def verify(req: VerifyRequest) -> AdapterRecord:
         """Check that the engine applies the loaded version, addressed as the router will; 502
-        ``adapter_not_applied`` if it answers as the base model."""
-        return await rt.service.verify(req.name, req.version)
+        ``adapter_not_applied`` if it answers as the base model, 502 ``canary_mismatch`` if it
+        answers the trainer's ``canary`` otherwise than the trainer did."""
+        return await rt.service.verify(req.name, req.version, req.canary)
 
     @api.post(
         "/v1/adapters/activate", dependencies=guard, responses=errors(*ctl, 404, 409, 413, 503)

@@ -1,0 +1,140 @@
+"""The trainer's canary judged on every replica before the flip (reference engines).
+
+A correct adapter passes, with its figures kept in the result and on the agent's record. Then
+what reaches the engines differs from the model the trainer computed the canary with, as an
+export bug would make it: ``lora_alpha`` changed in the config, the MLP tensors dropped, the rank
+truncated, the base model's weights (B = 0) served as the adapter. Each is refused before the
+flip, by name and with the figures, and v1 keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file, save_file
+
+from lorafleet.errors import PublishError
+from lorafleet.launch import Launcher
+from lorafleet.protocol.canary import Canary
+from lorafleet.publisher import Publisher
+from lorafleet.publisher.canary import canary_from_dir, compute_canary
+from lorafleet.testing import ALL_LINEAR, make_peft_model
+from tests.fleets import Fleet
+
+pytestmark = pytest.mark.timeout(600)
+
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, make_fleet) -> Iterator[Fleet]:
+    with Launcher(tmp_path_factory.mktemp("canary-logs")) as launcher:
+        yield make_fleet(launcher, 2)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory) -> tuple[Path, Canary]:
+    """The trainer's adapter (every linear projection, rank 16) and its canary."""
+    model = make_peft_model(tiny_model, r=16, lora_alpha=16, seed=5, target_modules=ALL_LINEAR)
+    canary = compute_canary(model, n=4)
+    out = tmp_path_factory.mktemp("trained") / "adapter"
+    model.save_pretrained(str(out))
+    return out, canary
+
+
+def _publish(fleet: Fleet, source: Path, name: str, canary: Canary):
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        return pub.publish(str(source), name=name, canary=canary)
+
+
+def _served_version(fleet: Fleet, name: str) -> int:
+    r = httpx.post(
+        fleet.router.url + "/v1/completions",
+        json={"model": name, "prompt": "hi", "max_tokens": 1, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["lorafleet"]["version"]
+
+
+def test_a_correct_adapter_passes_and_its_figures_are_kept(fleet, trained, tiny_model):
+    adapter, canary = trained
+    result = _publish(fleet, adapter, "canary-ok", canary)
+    for rep in result.replicas.values():
+        assert rep.canary is not None and rep.canary.outcome == "passed", rep.canary
+        assert rep.canary.mean_vs_trainer <= 0.25 * rep.canary.mean_vs_base
+        print(f"reference canary {rep.replica}: {rep.canary.detail}")
+    for i in range(len(fleet.agents)):
+        (rec,) = fleet.adapters(i, "canary-ok")
+        assert rec["canary"]["outcome"] == "passed"
+    # The canary from the directory on CPU (``--canary-model``) is the in-memory one.
+    again = canary_from_dir(tiny_model, adapter, prompts=[p.prompt_ids for p in canary.prompts])
+    for a, b in zip(again.prompts, canary.prompts, strict=True):
+        assert a.tokens == b.tokens
+        assert max(abs(x - y) for x, y in zip(a.trainer, b.trainer, strict=True)) < 1e-4
+
+
+def _alpha_times_4(d: Path) -> None:
+    cfg = json.loads((d / CONFIG).read_text())
+    cfg["lora_alpha"] *= 4
+    (d / CONFIG).write_text(json.dumps(cfg))
+
+
+def _mlp_dropped(d: Path) -> None:
+    tensors = load_file(str(d / WEIGHTS))
+    kept = {k: v for k, v in tensors.items() if not any(m in k for m in ("gate", "up_", "down"))}
+    assert len(kept) < len(tensors)
+    save_file(kept, str(d / WEIGHTS))
+    cfg = json.loads((d / CONFIG).read_text())
+    cfg["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    (d / CONFIG).write_text(json.dumps(cfg))
+
+
+def _rank_halved(d: Path) -> None:
+    # The first half of the rank, its scaling kept (alpha / r): only the rest is lost.
+    tensors = load_file(str(d / WEIGHTS))
+    cut = {
+        k: (v[:8].contiguous() if "lora_A" in k else v[:, :8].contiguous())
+        for k, v in tensors.items()
+    }
+    save_file(cut, str(d / WEIGHTS))
+    cfg = json.loads((d / CONFIG).read_text())
+    cfg["r"], cfg["lora_alpha"] = 8, cfg["lora_alpha"] // 2
+    (d / CONFIG).write_text(json.dumps(cfg))
+
+
+def _base_served(d: Path) -> None:
+    tensors = load_file(str(d / WEIGHTS))
+    save_file({k: (v * 0 if "lora_B" in k else v) for k, v in tensors.items()}, str(d / WEIGHTS))
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [_alpha_times_4, _mlp_dropped, _rank_halved, _base_served],
+    ids=["lora_alpha", "mlp_dropped", "rank_truncated", "base_served"],
+)
+def test_what_the_trainer_did_not_compute_is_refused_before_the_flip(
+    fleet, trained, tmp_path, fault: Callable[[Path], None]
+):
+    adapter, canary = trained
+    name = f"canary-{fault.__name__.strip('_').replace('_', '-')}"
+    _publish(fleet, adapter, name, canary)
+    broken = tmp_path / "broken"
+    shutil.copytree(adapter, broken)
+    fault(broken)
+    with pytest.raises(PublishError) as err:
+        _publish(fleet, broken, name, canary)
+    reasons = list(err.value.failures.values())
+    assert len(reasons) == len(fleet.agents), err.value.failures
+    assert all("canary" in r and "against the trainer" in r for r in reasons), reasons
+    print(f"reference canary, {name}: {reasons[0]}")
+    assert "v1 keeps serving" in str(err.value)
+    assert _served_version(fleet, name) == 1
+    for i in range(len(fleet.agents)):
+        assert {a["version"] for a in fleet.adapters(i, name)} == {1}
