@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from lorafleet.launch import Launcher
 from lorafleet.protocol.canary import Canary
 from lorafleet.publisher import Publisher
 from lorafleet.publisher.canary import canary_from_dir, compute_canary
-from lorafleet.testing import ALL_LINEAR, make_peft_model
+from lorafleet.publisher.result import Timeouts
+from lorafleet.testing import ALL_LINEAR, make_peft_model, wait_until
 from tests.fleets import Fleet
 
 pytestmark = pytest.mark.timeout(600)
@@ -138,3 +140,78 @@ def test_what_the_trainer_did_not_compute_is_refused_before_the_flip(
     assert _served_version(fleet, name) == 1
     for i in range(len(fleet.agents)):
         assert {a["version"] for a in fleet.adapters(i, name)} == {1}
+
+
+def test_a_replica_caught_up_from_a_peer_is_proven_by_the_same_canary(fleet, trained):
+    """A quorum publication leaves replica 1 lagging (its agent stopped); the router's catch-up
+    feeds it from replica 0 and proves its copy with the canary replica 0 was proven with."""
+    adapter, canary = trained
+    name = "canary-catch-up"
+    fleet.agents[1].proc.signal(signal.SIGSTOP)
+    try:
+        with Publisher(
+            fleet.agent_urls, router=fleet.router.url, token=fleet.token,
+            timeouts=Timeouts(answer=3.0),
+        ) as pub:  # fmt: skip
+            result = pub.publish(str(adapter), name=name, canary=canary, min_replicas=1)
+        assert len(result.lagging) == 1
+    finally:
+        fleet.agents[1].proc.signal(signal.SIGCONT)
+    wait_until(
+        lambda: fleet.adapters(1, name), timeout=120, message="replica 1 caught up from its peer"
+    )
+    wait_until(
+        lambda: fleet.adapters(1, name)[0]["canary"] is not None,
+        timeout=120,
+        message="its copy proven by the canary",
+    )
+    (record,) = fleet.adapters(1, name)
+    assert record["canary"]["outcome"] == "passed", record
+    assert record["canary"]["mean_vs_trainer"] < 1e-3
+
+
+def _holders(fleet: Fleet, name: str, version: int) -> set[str]:
+    r = httpx.get(
+        fleet.router.url + "/v1/control/aliases",
+        params={"log": "false"},
+        headers={"Authorization": f"Bearer {fleet.token}"},
+        timeout=10,
+    )
+    e = r.json()["aliases"].get(name) or {}
+    return {x for v in e.get("routable", []) if v["version"] == version for x in v["replicas"]}
+
+
+def _canary_checks(fleet: Fleet, i: int, outcome: str) -> float:
+    text = httpx.get(fleet.agents[i].url + "/metrics", timeout=10).text
+    key = f'lorafleet_agent_canary_checks_total{{outcome="{outcome}"}} '
+    return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(key)), 0.0)
+
+
+def test_a_reinstall_after_an_engine_restart_is_proven_by_the_canary(fleet, trained):
+    """Replica 0's engine restarts; its agent reinstalls v1 from its store, where the config
+    was changed meanwhile (lora_alpha x4). The reinstall fails the canary it was published
+    with, and the router stops routing v1 there."""
+    adapter, canary = trained
+    name = "canary-reinstall"
+    _publish(fleet, adapter, name, canary)
+    replica0 = fleet.agents[0].url.removeprefix("http://")
+    assert replica0 in _holders(fleet, name, 1)
+    failed_before = _canary_checks(fleet, 0, "failed")
+    (record,) = fleet.adapters(0, name)
+    config = Path(record["path"]) / CONFIG
+    cfg = json.loads(config.read_text())
+    cfg["lora_alpha"] *= 4
+    changed = config.with_suffix(".tmp")
+    changed.write_text(json.dumps(cfg))
+    changed.replace(config)  # a new file: the store's other links keep their bytes
+    fleet.launcher.restart(fleet.engines[0])
+    wait_until(
+        lambda: _canary_checks(fleet, 0, "failed") > failed_before,
+        timeout=120,
+        message="the reinstalled version judged by its canary",
+    )
+    wait_until(
+        lambda: replica0 not in _holders(fleet, name, 1),
+        timeout=60,
+        message="the router stops routing v1 to replica 0",
+    )

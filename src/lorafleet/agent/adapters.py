@@ -377,29 +377,38 @@ class AdapterService:
         canary verdict is ``failed``, ``EngineUnavailable`` when the probe cannot run,
         ``AdapterConflict`` when the version is not in the engine.
         """
-        if self.probe is None:
-            raise EngineUnavailable("the engine has not been probed yet")
         async with self.locks[name]:
             item = self._get(name, version)
-            rec = item.record
-            if rec.state not in _IN_ENGINE:
+            if item.record.state not in _IN_ENGINE:
                 raise AdapterConflict(
-                    f"{name!r} v{version} is {rec.state.value}; load it before verifying"
+                    f"{name!r} v{version} is {item.record.state.value}; load it before verifying"
                 )
-            verdict = await self.probe.check(rec.engine_name, rec.delta_bound)
-            self.metrics.application_checks.labels(verdict.outcome).inc()
-            rec = rec.model_copy(update={"application": verdict.outcome})
-            self.db.put(StoredAdapter(rec, item.manifest))
-            if verdict.outcome == "not_applied":
-                raise AdapterNotApplied(f"{name!r} v{version}: {verdict.detail}")
+            rec = await self.prove_locked(item, canary)
             if canary is not None:
-                judged = await self._canary(rec.engine_name, canary)
-                self.metrics.canary_checks.labels(judged.outcome).inc()
-                rec = rec.model_copy(update={"canary": judged})
-                self.db.put(StoredAdapter(rec, item.manifest))
-                if judged.outcome == "failed":
-                    raise CanaryMismatch(f"{name!r} v{version}: {judged.detail}")
+                self.db.put_canary(name, version, canary)
             return rec
+
+    async def prove_locked(self, item: StoredAdapter, canary: Canary | None) -> AdapterRecord:
+        """``verify``'s proof of a version in the engine, its outcomes recorded; the caller
+        holds the name's lock (the reconciler, after a reinstall). Raises as ``verify``."""
+        if self.probe is None:
+            raise EngineUnavailable("the engine has not been probed yet")
+        rec = item.record
+        name, version = rec.name, rec.version
+        verdict = await self.probe.check(rec.engine_name, rec.delta_bound)
+        self.metrics.application_checks.labels(verdict.outcome).inc()
+        rec = rec.model_copy(update={"application": verdict.outcome})
+        self.db.put(StoredAdapter(rec, item.manifest))
+        if verdict.outcome == "not_applied":
+            raise AdapterNotApplied(f"{name!r} v{version}: {verdict.detail}")
+        if canary is not None:
+            judged = await self._canary(rec.engine_name, canary)
+            self.metrics.canary_checks.labels(judged.outcome).inc()
+            rec = rec.model_copy(update={"canary": judged})
+            self.db.put(StoredAdapter(rec, item.manifest))
+            if judged.outcome == "failed":
+                raise CanaryMismatch(f"{name!r} v{version}: {judged.detail}")
+        return rec
 
     async def _canary(self, engine_name: str, canary: Canary) -> CanaryVerdict:
         assert self.probe is not None
@@ -507,6 +516,12 @@ class AdapterService:
         if item.record.state not in _IN_ENGINE:
             raise AdapterNotFound(f"{name!r} v{version} is {item.record.state.value} here")
         return item.manifest, Path(item.record.path)
+
+    def canary(self, name: str, version: int) -> Canary | None:
+        """The trainer's canary a held version was proven with here (None: proven without
+        one). Raises ``AdapterNotFound`` unless the version is loaded or active here."""
+        self.stored(name, version)
+        return self.db.canary(name, version)
 
     def list(self) -> list[AdapterRecord]:
         return [i.record for i in self.db.all()]

@@ -153,9 +153,18 @@ class Reconciler:
                 return
             self._retry.pop((name, version), None)
             if r.error is not None:
-                svc.db.put(StoredAdapter(r.model_copy(update={"error": None}), cur.manifest))
+                cur = StoredAdapter(r.model_copy(update={"error": None}), cur.manifest)
+                svc.db.put(cur)
             svc.metrics.reconciliations.inc()
             log.info("reinstalled %s from %s", r.engine_name, r.path)
+            canary = svc.db.canary(name, version)
+            if canary is not None:
+                # Proven again as at its publication: a reinstall that the engine applies
+                # otherwise is recorded as failed, and the router stops routing it here.
+                try:
+                    await svc.prove_locked(cur, canary)
+                except EngineRejected as exc:  # AdapterNotApplied, CanaryMismatch too
+                    log.error("reinstalled %s fails its proof: %s", r.engine_name, exc)
 
 
 def _held(item: StoredAdapter, held: dict[str, str]) -> bool:

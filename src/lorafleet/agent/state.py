@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 
 from lorafleet.protocol.agent import AdapterRecord, AdapterState
-from lorafleet.protocol.canary import CanaryVerdict
+from lorafleet.protocol.canary import Canary, CanaryVerdict
 from lorafleet.protocol.manifest import Manifest
 
 __all__ = ["StateDB", "StoredAdapter"]
@@ -34,6 +34,15 @@ CREATE TABLE IF NOT EXISTS adapters (
     application TEXT NOT NULL DEFAULT 'unchecked',
     delta_bound REAL,
     canary TEXT,
+    PRIMARY KEY (name, version)
+)
+"""
+# The trainer's canary a version was proven with, for catch-ups to prove a peer's copy by it.
+_CANARIES = """
+CREATE TABLE IF NOT EXISTS canaries (
+    name TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    canary TEXT NOT NULL,
     PRIMARY KEY (name, version)
 )
 """
@@ -69,6 +78,7 @@ class StateDB:
         self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
         self._db.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
         self._db.execute(_SCHEMA)
+        self._db.execute(_CANARIES)
         have = {row[1] for row in self._db.execute("PRAGMA table_info(adapters)")}
         for column, decl in _ADDED.items():
             if column not in have:
@@ -101,6 +111,19 @@ class StateDB:
 
     def delete(self, name: str, version: int) -> None:
         self._db.execute("DELETE FROM adapters WHERE name=? AND version=?", (name, version))
+        self._db.execute("DELETE FROM canaries WHERE name=? AND version=?", (name, version))
+
+    def put_canary(self, name: str, version: int, canary: Canary) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO canaries (name, version, canary) VALUES (?,?,?)",
+            (name, version, canary.model_dump_json()),
+        )
+
+    def canary(self, name: str, version: int) -> Canary | None:
+        row = self._db.execute(
+            "SELECT canary FROM canaries WHERE name=? AND version=?", (name, version)
+        ).fetchone()
+        return Canary.model_validate_json(row[0]) if row else None
 
     def get(self, name: str, version: int) -> StoredAdapter | None:
         rows = self._select("WHERE name=? AND version=?", (name, version))

@@ -244,6 +244,13 @@ class AsyncAgentClient:
         resp = await self._request("GET", f"/v1/adapters/{quote(name, safe='')}/{version}/manifest")
         return Manifest.model_validate(resp.json())
 
+    async def canary(self, name: str, version: int) -> Canary | None:
+        """The trainer's canary ``name`` v``version`` was proven with on this agent; None when
+        it was proven without one. Raises ``AdapterNotFound`` when it is not held here."""
+        resp = await self._request("GET", f"/v1/adapters/{quote(name, safe='')}/{version}/canary")
+        body = resp.json()
+        return None if body is None else Canary.model_validate(body)
+
     async def send(self, req: SendRequest, timeout_s: float) -> SendResult:
         """Have this agent PUT a version it holds into a peer's relay session."""
         resp = await self._request(

@@ -187,11 +187,16 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
         )
 
     adapters = Table(title="adapters on replicas", title_justify="left")
-    for col in ("replica", "name", "version", "engine name", "state", "applied", "digest"):
+    # The canary column only where a version was proven by one: the table stays narrow.
+    canaries = any(a.get("canary") for v in status.replicas for a in v.adapters)
+    cols = ["replica", "name", "version", "engine name", "state", "applied", "digest"]
+    if canaries:
+        cols.insert(-1, "canary")
+    for col in cols:
         adapters.add_column(col)
     for v in status.replicas:
         for a in sorted(v.adapters, key=lambda a: (a.get("name", ""), a.get("version", 0))):
-            adapters.add_row(
+            row = [
                 v.replica_id or str(v.index),
                 str(a.get("name")),
                 str(a.get("version")),
@@ -199,7 +204,10 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
                 str(a.get("state")),
                 str(a.get("application") or "-"),  # the engine's proof (agent/probe.py)
                 str(a.get("digest", ""))[:19],
-            )
+            ]
+            if canaries:
+                row.insert(-1, _canary(a.get("canary")))
+            adapters.add_row(*row)
 
     active = Table(title="active versions (router aliases)", title_justify="left")
     for col in ("name", "version", "engine name", "replicas", "in-flight"):
@@ -262,3 +270,14 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
     if status.errors:
         out.append("[yellow]unreachable:[/yellow] " + "; ".join(status.errors))
     return out
+
+
+def _canary(verdict: dict | None) -> str:
+    """The trainer's canary on that replica (protocol/canary.py): outcome and mean |Δ log p|
+    against the trainer and the base."""
+    if not verdict:
+        return "-"
+    return (
+        f"{verdict['outcome']} ({verdict['mean_vs_trainer']:.2g} vs trainer, "
+        f"{verdict['mean_vs_base']:.2g} vs base)"
+    )

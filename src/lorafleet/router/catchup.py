@@ -12,7 +12,8 @@ rotation: it lists what the agent holds and compares it with the table.
   that takes relayed bytes from one credential minted for this catch-up alone (the relay's
   per-publication credential, ``agent/relay.py``); the peer agent PUTs the files it holds into
   it; the lagging agent verifies each by size and sha-256 as for any upload, commits,
-  loads, and proves the version with its application probe. Only then is it listed for the
+  loads, and proves the version with its application probe and, when the peer was proven with
+  the trainer's canary, with that canary (``protocol/canary.py``). Only then is it listed for the
   version (``AliasStore.add_holder``, which refuses a claim for other bytes).
 
 A name whose publish lease is held is left alone: a publication is under way and owns its
@@ -66,6 +67,7 @@ def holds(records: list[AdapterRecord], name: str, ref: RoutableVersion) -> Adap
             and r.mode == "versioned"
             and (ref.digest is None or r.digest == ref.digest)
             and r.application != "not_applied"
+            and (r.canary is None or r.canary.outcome != "failed")
         ):
             return r
     return None
@@ -232,8 +234,12 @@ class CatchUp:
         timeouts = InstallTimeouts(
             call_s=bound, transfer_s=self.transfer_timeout_s, load_s=self.transfer_timeout_s
         )
+        src = self._source(ref, r)
+        # The trainer's canary the holders were proven with proves this copy too.
+        canary = None
+        if src is not None:
+            canary = await asyncio.wait_for(self.client(src.agent_url).canary(name, v), bound)
         if mine is None:
-            src = self._source(ref, r)
             if src is None:
                 raise CatchUpFailed("no peer in rotation holds it")
             peer = self.client(src.agent_url)
@@ -252,7 +258,7 @@ class CatchUp:
             await install.load()
         else:
             install = ReplicaInstall(target, name, v, None, timeouts)
-        rec = await install.prove()
+        rec = await install.prove(canary)
         if ref.digest is not None and rec.digest != ref.digest:
             raise CatchUpFailed(f"it verified other bytes ({rec.digest[:12]})")
         current = self.store.aliases.get(name)

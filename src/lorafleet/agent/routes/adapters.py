@@ -19,6 +19,7 @@ from lorafleet.protocol.agent import (
     UnloadRequest,
     VerifyRequest,
 )
+from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.names import AdapterName, Version
 
 __all__ = ["routes"]
@@ -78,6 +79,16 @@ def routes(ctx: AgentRoutes) -> APIRouter:
     async def adapter_manifest(name: AdapterName, version: Version) -> Manifest:
         """The manifest of a version loaded here: what a lagging peer opens its session with."""
         return rt.service.stored(name, version)[0]
+
+    @api.get(
+        "/v1/adapters/{name}/{version}/canary",
+        dependencies=guard,
+        responses=errors(*ctl, 404),
+    )
+    async def adapter_canary(name: AdapterName, version: Version) -> Canary | None:
+        """The trainer's canary a version held here was proven with (null: proven without
+        one): a lagging peer's copy is proven by the same one."""
+        return rt.service.canary(name, version)
 
     @api.post("/v1/adapters/send", dependencies=guard, responses=errors(*ctl, 404, 413))
     async def send(req: SendRequest) -> SendResult:

@@ -1,0 +1,38 @@
+"""``lorafleet status`` shows each replica's canary verdict (only when a version has one)."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from lorafleet.fleet.status import FleetStatus, ReplicaView, render_status
+
+
+def _text(adapters: list[dict]) -> str:
+    replica = ReplicaView(0, "reference", "http://a", "http://e", "r0", True, adapters=adapters)
+    status = FleetStatus("http://r", True, None, False, [replica], [], 0)
+    info = SimpleNamespace(data_dir="/d", served_model_name="tiny", model="m", dataplane_url=None)
+    out = io.StringIO()
+    console = Console(file=out, width=220)
+    for part in render_status(status, info):  # type: ignore[arg-type]
+        console.print(part)
+    return out.getvalue()
+
+
+RECORD = {"name": "policy", "version": 1, "engine_name": "policy@v1", "state": "active",
+          "application": "applied", "digest": "sha256:" + "0" * 64}  # fmt: skip
+
+
+def test_a_canary_verdict_is_shown_with_its_figures():
+    verdict = {"outcome": "passed", "mean_vs_trainer": 3.6e-7, "mean_vs_base": 1.32}
+    text = _text([{**RECORD, "canary": verdict}])
+    assert "canary" in text
+    row = next(x for x in text.splitlines() if "policy@v1" in x)
+    assert "passed (3.6e-07 vs trainer, 1.3 vs base)" in row
+
+
+def test_no_canary_column_without_a_canary():
+    text = _text([RECORD])
+    assert "canary" not in text and "applied" in text
