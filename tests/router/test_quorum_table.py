@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.errors import PublishInProgress, VersionConflict
+from lorafleet.protocol.canary import CanaryVerdict
 from lorafleet.protocol.router import LagState
 from lorafleet.router.table import AliasStore
 
@@ -80,3 +81,29 @@ def test_holders_carry_the_digest_and_lagging_replicas_are_kept(tmp_path):
     assert not store.drop_holder("p", 2, "r0", "again")
     # a version out of the window takes no holder
     assert not store.add_holder("p", 1, D1, "r2")
+
+
+def _verdict(mean: float) -> CanaryVerdict:
+    return CanaryVerdict(
+        outcome="passed", mean_vs_trainer=mean, max_vs_trainer=mean, mean_vs_base=1.0,
+        max_vs_base=2.0, tolerance=0.5, detail="",
+    )  # fmt: skip
+
+
+def test_canary_figures_follow_the_holders_and_survive_a_restart(tmp_path):
+    store = AliasStore(tmp_path)
+    # A figure for a replica that does not hold the version is not kept.
+    figures = {"r0": _verdict(0.01), "r1": _verdict(0.02), "r9": _verdict(0.3)}
+    store.set_alias("p", 1, "p@v1", ["r0", "r1"], digest=D1, canary=figures)
+    (v1,) = store.aliases["p"].window()
+    assert set(v1.canary) == {"r0", "r1"}
+    # A catch-up adds its replica's figures; a claim for other bytes adds none.
+    assert not store.add_holder("p", 1, D2, "r2", _verdict(0.03))
+    assert store.add_holder("p", 1, D1, "r2", _verdict(0.03))
+    # A replica that lost the version, or left, loses its figures with it.
+    assert store.drop_holder("p", 1, "r0", "store wiped")
+    store.forget_replica("r1", member=False)
+    store = AliasStore(tmp_path)
+    (v1,) = store.aliases["p"].window()
+    assert v1.replicas == ["r2"]
+    assert v1.canary == {"r2": _verdict(0.03)}

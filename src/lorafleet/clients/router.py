@@ -16,6 +16,7 @@ from urllib.parse import quote
 import httpx
 
 from lorafleet._http import async_client, bearer, map_transport_errors, raise_for_status
+from lorafleet.protocol.canary import CanaryVerdict
 from lorafleet.protocol.router import (
     AddReplicaRequest,
     AliasEntry,
@@ -111,6 +112,7 @@ class AsyncRouterClient:
         sessions: SessionPolicy = "pin",
         digest: str | None = None,
         lagging: dict[str, LagState] | None = None,
+        canary: dict[str, CanaryVerdict] | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``, keeping the newest ``keep_versions`` routable.
 
@@ -119,7 +121,8 @@ class AsyncRouterClient:
 
         Raises ``VersionConflict`` (CAS failed or not newer) or ``PublishInProgress`` (another
         holder's lease). ``replicas`` hold it verified with ``digest``; ``lagging`` (a quorum
-        publication): the replicas that did not take it, and why.
+        publication): the replicas that did not take it, and why; ``canary``: how each of
+        ``replicas`` answered the trainer's canary (kept in the table).
         """
         req = SetAliasRequest(
             version=version,
@@ -131,6 +134,7 @@ class AsyncRouterClient:
             sessions=sessions,
             digest=digest,
             lagging=lagging or {},
+            canary=canary or {},
         )
         body = req.model_dump(exclude={"expected_version"})
         if not isinstance(expected_version, _NoCas):

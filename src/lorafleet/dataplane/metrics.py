@@ -85,6 +85,20 @@ class RouterMetrics:
             ["adapter", "replica"],
             registry=self.registry,
         )
+        self.canary_delta = Gauge(
+            "lorafleet_router_canary_delta",
+            "The trainer's canary on each replica of each routable version: mean or max |delta "
+            "log p| of the engine's answer against the trainer's adapter or against the base",
+            ["adapter", "version", "replica", "against", "stat"],
+            registry=self.registry,
+        )
+        self.canary_passed = Gauge(
+            "lorafleet_router_canary_passed",
+            "1 when the replica's engine passed the version's canary, 0 when it failed, -1 when "
+            "the canary could not tell the adapter from the base (uninformative)",
+            ["adapter", "version", "replica"],
+            registry=self.registry,
+        )
         self.catch_ups = Counter(
             "lorafleet_router_catch_ups",
             "Catch-ups of a replica from a peer agent, by outcome (ok, failed)",

@@ -61,6 +61,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lorafleet.protocol.canary import CanaryVerdict
 from lorafleet.protocol.names import EngineName, LeaseHolder, Version
 
 __all__ = [
@@ -132,6 +133,9 @@ class RoutableVersion(_Model):
     """The replicas that hold this version verified, loaded and proven (and only those)."""
     digest: str | None = None
     """The bundle digest every listed replica verified (None: an entry from before digests)."""
+    canary: dict[str, CanaryVerdict] = Field(default_factory=dict)
+    """How each listed replica's engine answered the trainer's canary when it took this version
+    (by a publication or a catch-up); absent for a replica judged without one."""
 
 
 class LagState(_Model):
@@ -169,6 +173,9 @@ class SetAliasRequest(_Model):
     """The bundle digest each of ``replicas`` verified for this version."""
     lagging: dict[str, LagState] = Field(default_factory=dict, max_length=MAX_REPLICAS)
     """A quorum publication: the replicas that did not take this version, and why."""
+    canary: dict[str, CanaryVerdict] = Field(default_factory=dict, max_length=MAX_REPLICAS)
+    """The canary's figures on each of ``replicas`` (kept in the table and its ``/metrics``);
+    an entry for a replica not in ``replicas`` is dropped."""
 
 
 class AliasEntry(_Model):

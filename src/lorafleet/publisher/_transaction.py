@@ -299,6 +299,9 @@ class Publication:
                         )
                         for rid, lag in self.lagging.items()
                     },
+                    canary={
+                        r.id: r.timing.canary for r in self.holders if r.timing.canary is not None
+                    },
                 ),
                 self.timeouts.cutover,
             )

@@ -157,6 +157,25 @@ class RouterApp:
             for rid, lag in e.lagging.items():
                 self.metrics.lagging.labels(name, rid).set(1)
                 self.metrics.lagging_since.labels(name, rid).set(lag.since_version)
+        self._export_canary()
+
+    def _export_canary(self) -> None:
+        # From the table at each scrape: a retired version's series go with it.
+        m = self.metrics
+        m.canary_delta.clear()
+        m.canary_passed.clear()
+        passed = {"passed": 1, "failed": 0, "uninformative": -1}
+        for name, e in self.store.aliases.items():
+            for v in e.window():
+                for rid, c in v.canary.items():
+                    key = (name, str(v.version), rid)
+                    m.canary_passed.labels(*key).set(passed[c.outcome])
+                    for against, mean, top in (
+                        ("trainer", c.mean_vs_trainer, c.max_vs_trainer),
+                        ("base", c.mean_vs_base, c.max_vs_base),
+                    ):
+                        m.canary_delta.labels(*key, against, "mean").set(mean)
+                        m.canary_delta.labels(*key, against, "max").set(top)
 
 
 def _build_api(router: RouterApp) -> FastAPI:

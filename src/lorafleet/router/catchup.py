@@ -268,7 +268,7 @@ class CatchUp:
             raise CatchUpFailed("a publication started meanwhile; tried again after it")
         if v == current.version:
             await install.activate()
-        if not self.store.add_holder(name, v, rec.digest, rid):
+        if not self.store.add_holder(name, v, rec.digest, rid, rec.canary):
             raise CatchUpFailed(f"v{v} is no longer routable with digest {rec.digest[:12]}")
         log.info("replica %s caught up on %s v%d", rid, name, v)
 

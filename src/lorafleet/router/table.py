@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lorafleet._atomic import atomic_write
 from lorafleet.errors import InvalidName, NotFound, PublishInProgress, VersionConflict
+from lorafleet.protocol.canary import CanaryVerdict
 from lorafleet.protocol.names import check_engine_name, check_holder, check_name
 from lorafleet.protocol.router import (
     AliasEntry,
@@ -167,6 +168,7 @@ class AliasStore:
         sessions: SessionPolicy = "pin",
         digest: str | None = None,
         lagging: dict[str, LagState] | None = None,
+        canary: dict[str, CanaryVerdict] | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
 
@@ -195,7 +197,11 @@ class AliasStore:
             )
         event = self._append(name, version, engine_name)
         newest = RoutableVersion(
-            version=version, engine_name=engine_name, replicas=list(replicas), digest=digest
+            version=version,
+            engine_name=engine_name,
+            replicas=list(replicas),
+            digest=digest,
+            canary={r: c for r, c in (canary or {}).items() if r in replicas},
         )
         kept = current.window() if current else []
         lag = {r: st for r, st in (current.lagging if current else {}).items() if r not in replicas}
@@ -265,7 +271,15 @@ class AliasStore:
                 lagging = {r: st for r, st in lagging.items() if r != replica_id}
             elif not any(replica_id in v.replicas for v in window):
                 continue
-            routable = [v.model_copy(update={"replicas": without(v.replicas)}) for v in window]
+            routable = [
+                v.model_copy(
+                    update={
+                        "replicas": without(v.replicas),
+                        "canary": {r: c for r, c in v.canary.items() if r != replica_id},
+                    }
+                )
+                for v in window
+            ]
             changed[name] = entry.model_copy(
                 update={
                     "replicas": without(entry.replicas),
@@ -293,10 +307,18 @@ class AliasStore:
         if self.on_change is not None:
             self.on_change()
 
-    def add_holder(self, name: str, version: int, digest: str, replica_id: str) -> bool:
+    def add_holder(
+        self,
+        name: str,
+        version: int,
+        digest: str,
+        replica_id: str,
+        canary: CanaryVerdict | None = None,
+    ) -> bool:
         """``replica_id`` caught up: it holds ``version`` verified with ``digest`` (it was
-        loaded and proven). False (nothing changes) when that version is no longer routable or
-        its digest is another one: a claim for other bytes is never listed."""
+        loaded and proven, with ``canary``'s figures when the version has a canary). False
+        (nothing changes) when that version is no longer routable or its digest is another one:
+        a claim for other bytes is never listed."""
         entry = self.aliases.get(name)
         if entry is None:
             return False
@@ -306,8 +328,11 @@ class AliasStore:
             return False
         if replica_id in ref.replicas:
             return True
+        judged = {**ref.canary, replica_id: canary} if canary is not None else ref.canary
         routable = [
-            v.model_copy(update={"replicas": [*v.replicas, replica_id]}) if v is ref else v
+            v.model_copy(update={"replicas": [*v.replicas, replica_id], "canary": judged})
+            if v is ref
+            else v
             for v in window
         ]
         update: dict = {"routable": routable}
@@ -327,7 +352,12 @@ class AliasStore:
         if not any(v.version == version and replica_id in v.replicas for v in window):
             return False
         routable = [
-            v.model_copy(update={"replicas": [r for r in v.replicas if r != replica_id]})
+            v.model_copy(
+                update={
+                    "replicas": [r for r in v.replicas if r != replica_id],
+                    "canary": {r: c for r, c in v.canary.items() if r != replica_id},
+                }
+            )
             if v.version == version
             else v
             for v in window

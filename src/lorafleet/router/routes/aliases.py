@@ -79,6 +79,7 @@ def routes(ctx: RouteContext) -> APIRouter:
                 sessions=req.sessions,
                 digest=req.digest,
                 lagging=lagging,
+                canary=req.canary,
                 **kw,
             )
         router.prune_metrics()
