@@ -21,6 +21,7 @@ LorafleetError
 │   ├── TransferStalled           408 transfer_stalled      (a relayed PUT stopped sending)
 │   ├── Conflict                  409
 │   │   ├── AdapterConflict       409 adapter_conflict
+│   │   ├── NoRoom                409 no_room               (a full engine, nothing evictable)
 │   │   ├── UploadIncomplete      409 upload_incomplete
 │   │   ├── OffsetMismatch        409 offset_mismatch
 │   │   ├── StaleVersion          409 stale_version         (older than max_staleness allows)
@@ -43,6 +44,7 @@ LorafleetError
 │   ├── Unavailable               503
 │   │   ├── EngineUnavailable     503 engine_unavailable
 │   │   ├── NoReplica             503 no_replica
+│   │   ├── AdapterCold           503 adapter_cold          (placed nowhere; being loaded)
 │   │   └── TableStale            503 table_stale
 │   └── QuotaExceeded             507 quota_exceeded
 └── PublishError                  a publication failed; ``.failures`` maps replica -> reason
@@ -62,6 +64,7 @@ from lorafleet.protocol.errors import STATUS_BY_CODE as _STATUS_BY_CODE
 from lorafleet.protocol.errors import ErrorCode
 
 __all__ = [
+    "AdapterCold",
     "AdapterConflict",
     "AdapterInvalid",
     "AdapterNotApplied",
@@ -85,6 +88,7 @@ __all__ = [
     "LorafleetError",
     "ManifestInvalid",
     "NoReplica",
+    "NoRoom",
     "NotFound",
     "OffsetMismatch",
     "PathError",
@@ -350,6 +354,13 @@ class OffsetMismatch(Conflict):
     code = ErrorCode.OFFSET_MISMATCH
 
 
+class NoRoom(Conflict):
+    """A replica's engine is full and nothing on it could be evicted (every adapter is in use by
+    a publication, asked to be kept, or did not drain in time)."""
+
+    code = ErrorCode.NO_ROOM
+
+
 class UnknownReplica(Conflict):
     """An alias names a replica the router does not know (no agent of its reports that id)."""
 
@@ -466,6 +477,13 @@ class EngineUnavailable(Unavailable):
 
 class NoReplica(Unavailable):
     code = ErrorCode.NO_REPLICA
+
+
+class AdapterCold(Unavailable):
+    """The version is placed on no replica and its on-demand load did not finish within the
+    bound: ``Retry-After`` says when to ask again (the load goes on)."""
+
+    code = ErrorCode.ADAPTER_COLD
 
 
 class TableStale(Unavailable):

@@ -105,6 +105,8 @@ class AdapterService:
         self.metrics = metrics
         self.allow = [Path(p).resolve() for p in shared_fs_allow or []]
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._loading: set[str] = set()
+        """Engine names whose load is under way (they count against the engine's slots)."""
         self.probe: ApplicationProbe | None = None
         """Set once the engine has been probed (its kind and base model are known)."""
 
@@ -313,54 +315,62 @@ class AdapterService:
             holder = self._holder(ename)
             if self.caps.max_adapters is not None and holder is None:
                 held = {i.record.engine_name for i in self.db.all() if i.record.state in _IN_ENGINE}
+                # Loads of other names under way hold a slot too (each name has its own lock).
+                held |= self._loading
                 if len(held) >= self.caps.max_adapters:
                     raise QuotaExceeded(
                         f"the engine already holds {len(held)} adapters, its limit is "
                         f"{self.caps.max_adapters}; unload one before loading {ename!r}",
                     )
-            t0 = time.perf_counter()
-            path = rec.path
-            linked = mode == "in_place" and engine_kind(self.caps.kind).links_in_place
-            if linked:
-                # SGLang re-reads a name's remembered path after an unload: in place, the plain
-                # name is loaded from a link the agent points at the current version, so any
-                # such re-read gets these weights (docs/engines/sglang.md).
-                path = str(await asyncio.to_thread(self.store.point_link, name, version))
-            # Recorded before the call: if its outcome is unknown (timeout, cancellation, crash)
-            # the engine may hold ``ename`` from these files, and unload must ask it first.
-            attempt = {"mode": mode, "engine_name": ename, "path": path}
-            pending = rec.model_copy(
-                update={**attempt, "error": f"loading as {ename!r}: outcome unknown"}
-            )
-            self.db.put(StoredAdapter(pending, item.manifest))
+            self._loading.add(ename)
             try:
-                await self.backend.load(ename, path, replace=holder is not None)
-            except EngineRejected as exc:
-                rec = rec.model_copy(
-                    update={**attempt, "state": AdapterState.FAILED, "error": str(exc)}
+                t0 = time.perf_counter()
+                path = rec.path
+                linked = mode == "in_place" and engine_kind(self.caps.kind).links_in_place
+                if linked:
+                    # SGLang re-reads a name's remembered path after an unload: in place, the plain
+                    # name is loaded from a link the agent points at the current version, so any
+                    # such re-read gets these weights (docs/engines/sglang.md).
+                    path = str(await asyncio.to_thread(self.store.point_link, name, version))
+                # Recorded before the call: if its outcome is unknown (timeout, cancellation, crash)
+                # the engine may hold ``ename`` from these files, and unload must ask it first.
+                attempt = {"mode": mode, "engine_name": ename, "path": path}
+                pending = rec.model_copy(
+                    update={**attempt, "error": f"loading as {ename!r}: outcome unknown"}
                 )
+                self.db.put(StoredAdapter(pending, item.manifest))
+                try:
+                    await self.backend.load(ename, path, replace=holder is not None)
+                except EngineRejected as exc:
+                    rec = rec.model_copy(
+                        update={**attempt, "state": AdapterState.FAILED, "error": str(exc)}
+                    )
+                    self.db.put(StoredAdapter(rec, item.manifest))
+                    if linked and holder is not None:
+                        # Back to the holder's files, which a re-read under the name must find.
+                        await asyncio.to_thread(self.store.point_link, name, holder.record.version)
+                    raise
+                except EngineUnavailable as exc:
+                    rec = pending.model_copy(
+                        update={"error": f"loading as {ename!r}: outcome unknown: {exc}"}
+                    )
+                    self.db.put(StoredAdapter(rec, item.manifest))
+                    raise
+                self.metrics.load_seconds.observe(time.perf_counter() - t0)
+                state = AdapterState.LOADED
+                if holder is not None:
+                    # The replaced version leaves the engine; its files may go when it is unloaded.
+                    if holder.record.state == AdapterState.ACTIVE:
+                        state = AdapterState.ACTIVE
+                    old = holder.record.model_copy(
+                        update={"state": AdapterState.STAGED, "error": None}
+                    )
+                    self.db.put(StoredAdapter(old, holder.manifest))
+                rec = rec.model_copy(update={**attempt, "state": state, "error": None})
                 self.db.put(StoredAdapter(rec, item.manifest))
-                if linked and holder is not None:
-                    # Back to the holder's files, which a re-read under the name must find.
-                    await asyncio.to_thread(self.store.point_link, name, holder.record.version)
-                raise
-            except EngineUnavailable as exc:
-                rec = pending.model_copy(
-                    update={"error": f"loading as {ename!r}: outcome unknown: {exc}"}
-                )
-                self.db.put(StoredAdapter(rec, item.manifest))
-                raise
-            self.metrics.load_seconds.observe(time.perf_counter() - t0)
-            state = AdapterState.LOADED
-            if holder is not None:
-                # The replaced version leaves the engine; its files may go when it is unloaded.
-                if holder.record.state == AdapterState.ACTIVE:
-                    state = AdapterState.ACTIVE
-                old = holder.record.model_copy(update={"state": AdapterState.STAGED, "error": None})
-                self.db.put(StoredAdapter(old, holder.manifest))
-            rec = rec.model_copy(update={**attempt, "state": state, "error": None})
-            self.db.put(StoredAdapter(rec, item.manifest))
-            return rec
+                return rec
+            finally:
+                self._loading.discard(ename)
 
     def _holder(self, ename: str) -> StoredAdapter | None:
         for i in self.db.all():
@@ -445,6 +455,30 @@ class AdapterService:
         async with self.locks[name]:
             return await self._retire(self._get(name, version))
 
+    async def evict(self, name: str, version: int) -> AdapterRecord:
+        """Take ``name`` v``version`` out of the engine and keep its verified files: the record
+        is ``staged`` again, and a later load (the router's on-demand path) needs no bytes. The
+        router calls this only once nothing routes the version here and its requests drained.
+
+        Raises ``AdapterConflict`` for a version loaded in place (its plain name is not this
+        version's alone), ``EngineUnavailable`` when the engine does not answer (nothing
+        changes; the caller tries again or another victim)."""
+        async with self.locks[name]:
+            item = self._get(name, version)
+            rec = item.record
+            if rec.state not in _IN_ENGINE:
+                return rec  # idempotent: not in the engine
+            if rec.mode == "in_place":
+                raise AdapterConflict(
+                    f"{name!r} v{version} is loaded in place; only a versioned name is evicted"
+                )
+            with contextlib.suppress(AdapterMissing):
+                await self.backend.unload(rec.engine_name)
+            staged = rec.model_copy(update={"state": AdapterState.STAGED, "error": None})
+            self.db.put(StoredAdapter(staged, item.manifest))
+            self.metrics.evictions.inc()
+            return staged
+
     async def retire_pending(self) -> int:
         """Finish the unloads the engine did not answer (the reconciler calls this); how many
         records are gone now."""
@@ -510,10 +544,11 @@ class AdapterService:
         return names
 
     def stored(self, name: str, version: int) -> tuple[Manifest, Path]:
-        """A held version's manifest and directory (for a peer's catch-up). Raises
-        ``AdapterNotFound`` unless it is loaded or active here (verified bytes, in use)."""
+        """A held version's manifest and directory (for a peer's catch-up or an on-demand
+        load). Raises ``AdapterNotFound`` unless its bytes are verified here: loaded, active,
+        staged (committed, or evicted from the engine) or failed (the engine refused a load)."""
         item = self._get(name, version)
-        if item.record.state not in _IN_ENGINE:
+        if item.record.state not in (*_IN_ENGINE, AdapterState.STAGED, AdapterState.FAILED):
             raise AdapterNotFound(f"{name!r} v{version} is {item.record.state.value} here")
         return item.manifest, Path(item.record.path)
 

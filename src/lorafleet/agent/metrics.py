@@ -51,6 +51,11 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.evictions = Counter(
+            "lorafleet_agent_evictions",
+            "Versions taken out of the engine to make room, their verified files kept",
+            registry=r,
+        )
         self.relay_hops = Counter(
             "lorafleet_agent_relay_hops",
             "Files forwarded to a peer agent, by the peer's outcome (ok, or its error code, "

@@ -233,6 +233,13 @@ class AsyncAgentClient:
         resp = await self._request("POST", "/v1/adapters/unload", json=body)
         return AdapterRecord.model_validate(resp.json())
 
+    async def evict(self, name: str, version: int) -> AdapterRecord:
+        """Take ``name`` v``version`` out of the engine, keeping its verified files (``staged``:
+        a later ``load`` needs no bytes). ``AdapterConflict`` for a version loaded in place."""
+        body = _body(UnloadRequest, name=name, version=version)
+        resp = await self._request("POST", "/v1/adapters/evict", json=body)
+        return AdapterRecord.model_validate(resp.json())
+
     async def list_adapters(self) -> list[AdapterRecord]:
         resp = await self._request("GET", "/v1/adapters")
         return AdapterList.model_validate(resp.json()).adapters

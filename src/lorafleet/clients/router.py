@@ -35,9 +35,13 @@ from lorafleet.protocol.router import (
     ReplicaStatus,
     Reservation,
     ReserveRequest,
+    RoomRequest,
+    RoomResult,
     SessionPolicy,
     SetAliasRequest,
     Snapshot,
+    WarmRequest,
+    WarmResult,
 )
 
 __all__ = ["NO_CAS", "AsyncRouterClient"]
@@ -253,6 +257,34 @@ class AsyncRouterClient:
             "POST", "/v1/control/pins", json=body, timeout=httpx.Timeout(timeout, connect=1.0)
         )
         return PinRecord.model_validate_json(r.content)
+
+    async def warm(
+        self, name: str, version: int | None = None, timeout: float = 600.0
+    ) -> WarmResult:
+        """Place a cold version of ``name`` (None: the newest) on a replica: loaded, proven,
+        listed (docs/placement.md). ``AdapterCold`` when it could be loaded nowhere."""
+        body = WarmRequest(version=version).model_dump()
+        r = await self._call(
+            "POST",
+            f"/v1/control/aliases/{quote(name, safe='')}/warm",
+            json=body,
+            timeout=httpx.Timeout(timeout, connect=3.0),
+        )
+        return WarmResult.model_validate_json(r.content)
+
+    async def make_room(
+        self, replica_id: str, need: int = 1, keep: list[str] | None = None
+    ) -> RoomResult:
+        """Free ``need`` slots on ``replica_id``'s engine by evicting its least recently used
+        versions of names other than ``keep``, drained first. ``NoRoom`` (409) if it cannot."""
+        body = RoomRequest(need=need, keep=keep or []).model_dump()
+        r = await self._call(
+            "POST",
+            f"/v1/control/replicas/{quote(replica_id, safe='')}/room",
+            json=body,
+            timeout=httpx.Timeout(600.0, connect=3.0),
+        )
+        return RoomResult.model_validate_json(r.content)
 
     async def copies(self) -> CopyList:
         """The data-plane copies the control plane knows, each with its table seq."""

@@ -100,6 +100,8 @@ class CopyApp:
             api_key=config.api_key,
             upstream_keepalive_s=config.upstream_keepalive_s,
             gate=self.syncer,
+            warmer=self.syncer,
+            cold_wait_s=config.cold_wait_s,
             on_session_end=lambda: self.syncer.flush(_FLUSH_WAIT_S),
         )
         self.poller: HealthPoller | None = None

@@ -16,6 +16,7 @@ resolved to the old version.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from lorafleet.dataplane.sessions import Sessions
@@ -36,6 +37,8 @@ class Replica:
     healthy: bool = False
     """In rotation. Changed only by ``Balancer.succeeded``/``failed`` (hysteresis)."""
     inflight: int = 0
+    by_key: dict[tuple[str | None, int | None], int] = field(default_factory=dict)
+    """In flight here per (name, version): what an eviction of a version here waits for."""
     detail: str | None = "not polled yet"
     failures: int = 0
     """Consecutive failed probes or requests."""
@@ -72,6 +75,8 @@ class Balancer:
         self.by_id: dict[str, Replica] = {}
         self.sessions = sessions if sessions is not None else Sessions()
         self.inflight: dict[tuple[str | None, int | None], _Drain] = {}
+        self.last_used: dict[tuple[str, int], float] = {}
+        """(name, version) -> monotonic time a request for it last arrived (for eviction)."""
         self._rr = 0
 
     # --- membership ----------------------------------------------------------------------------
@@ -179,6 +184,8 @@ class Balancer:
     # --- accounting ----------------------------------------------------------------------------
 
     def begin(self, key: tuple[str | None, int | None]) -> None:
+        if key[0] is not None and key[1] is not None:
+            self.last_used[key] = time.monotonic()  # type: ignore[index]
         d = self.inflight.get(key)
         if d is None:
             d = self.inflight[key] = _Drain()
@@ -196,6 +203,24 @@ class Balancer:
     def count(self, name: str | None, version: int | None) -> int:
         d = self.inflight.get((name, version))
         return d.count if d else 0
+
+    @staticmethod
+    def sent(r: Replica, key: tuple[str | None, int | None], n: int) -> None:
+        """Count ``n`` (+1 or -1) request for ``key`` in flight on ``r``."""
+        r.inflight += n
+        left = r.by_key.get(key, 0) + n
+        if left:
+            r.by_key[key] = left
+        else:
+            r.by_key.pop(key, None)
+
+    def count_on(self, agent_url: str, key: tuple[str, int] | None = None) -> int:
+        """In flight on the replica at ``agent_url``: all of it, or for ``key`` only."""
+        return sum(
+            r.inflight if key is None else r.by_key.get(key, 0)
+            for r in self.replicas
+            if r.agent_url == agent_url
+        )
 
     async def wait_drained(self, name: str, version: int, timeout_s: float) -> int:
         """Wait until (name, version) has nothing in flight or ``timeout_s`` passes; the count."""

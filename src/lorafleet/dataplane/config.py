@@ -49,6 +49,14 @@ class DataPlaneSettings:
         type=click.IntRange(min=1),
         help="Consecutive good probes that bring it back.",
     )
+    cold_wait_s: float = setting(
+        30.0,
+        flag="--cold-wait",
+        type=click.FloatRange(min=0),
+        help="Seconds a request for a version placed on no replica (cold) waits while the "
+        "control plane loads it; past that, 503 adapter_cold with Retry-After (the load goes "
+        "on). 0: answer 503 at once and load in the background.",
+    )
     upstream_keepalive_s: float = setting(
         2.0,
         flag="--upstream-keepalive",

@@ -99,6 +99,30 @@ class RouterMetrics:
             ["adapter", "version", "replica"],
             registry=self.registry,
         )
+        self.on_demand_loads = Counter(
+            "lorafleet_router_on_demand_loads",
+            "Cold versions placed on a replica because a request asked for them, by outcome "
+            "(ok, failed)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.cold_start = Histogram(
+            "lorafleet_router_cold_start_seconds",
+            "From a request for a cold version to the version listed on a replica",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "lorafleet_router_evictions",
+            "Versions evicted from a replica to make room (least recently used, drained first)",
+            registry=self.registry,
+        )
+        self.holders = Gauge(
+            "lorafleet_router_version_replicas",
+            "Replicas holding each routable version (0: cold, loaded on the next request)",
+            ["adapter", "version"],
+            registry=self.registry,
+        )
         self.catch_ups = Counter(
             "lorafleet_router_catch_ups",
             "Catch-ups of a replica from a peer agent, by outcome (ok, failed)",

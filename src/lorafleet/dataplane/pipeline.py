@@ -12,7 +12,9 @@ not hold the version (``hand_on``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -31,6 +33,7 @@ from lorafleet.dataplane.shapes.base import Call, ForwardShape, HandOn, Outcome,
 from lorafleet.dataplane.upstream import Unreachable, Upstream
 from lorafleet.engine_kinds import engine_kind
 from lorafleet.errors import (
+    AdapterCold,
     BodyTooLarge,
     EngineRejected,
     EngineUnavailable,
@@ -48,7 +51,7 @@ from lorafleet.errors import (
 )
 from lorafleet.protocol.router import SESSION_HEADER
 
-__all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Gate", "Pipeline"]
+__all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Gate", "Pipeline", "Warmer"]
 
 T = TypeVar("T")
 
@@ -65,12 +68,25 @@ DATA_PLANE_ERRORS: tuple[type[ServiceError], ...] = (
     StreamInterrupted,
     EngineUnavailable,
     NoReplica,
+    AdapterCold,
     EngineRejected,
     TableStale,
 )
 """Every refusal the data plane answers itself: its OpenAPI document is written from this tuple,
 and tests/test_error_docs.py checks that the pipeline raises nothing else."""
 _H_SESSION = SESSION_HEADER.lower().encode()
+
+
+class Warmer(Protocol):
+    """What places a cold version (``router.placement.Placer``; on a copy, ``sync.Syncer``):
+    returns once this data plane's table lists a replica for it."""
+
+    async def warm(self, name: str, version: int) -> object: ...
+
+
+def _quiet(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a background load's failure is the control plane's log
 
 
 class Gate(Protocol):
@@ -93,6 +109,8 @@ class Pipeline(Addressing):
         api_key: str | None = None,
         shapes: Sequence[Shape] | None = None,
         gate: Gate | None = None,
+        warmer: Warmer | None = None,
+        cold_wait_s: float = 30.0,
     ) -> None:
         super().__init__(table, balancer)
         self.metrics = metrics
@@ -102,6 +120,8 @@ class Pipeline(Addressing):
         """Translated requests in flight, by ``rid``: what SGLang's abort ends (aborts.py)."""
         self.gate = gate
         """A data-plane copy's check that its table may be trusted (``sync.Syncer``)."""
+        self.warmer = warmer
+        self.cold_wait_s = cold_wait_s
         self._key = api_key or None
 
     # --- entry ---------------------------------------------------------------------------------
@@ -145,6 +165,42 @@ class Pipeline(Addressing):
         trusted (raises ``TableStale`` when it may not); nothing to wait for in one process."""
         if self.gate is not None:
             await self.gate.admit(models, session)
+        if self.warmer is not None:
+            for model in models:
+                cold = self._cold(model, session)
+                if cold is not None:
+                    await self._warm(*cold)
+
+    def _cold(self, model: object, session: str | None) -> tuple[str, int] | None:
+        """(name, version) when ``model`` resolves to a version no replica holds (a resolve
+        error is the resolve's own to raise, later)."""
+        try:
+            route = self.resolve(model, session)
+        except ServiceError:
+            return None
+        if route.adapter is None or route.version is None or route.replicas:
+            return None
+        return route.adapter, route.version
+
+    async def _warm(self, name: str, version: int) -> None:
+        """Have the control plane place a cold version, waiting up to ``cold_wait_s``.
+        Raises ``AdapterCold`` (with ``Retry-After``) past that; the load goes on."""
+        assert self.warmer is not None
+        task = asyncio.ensure_future(self.warmer.warm(name, version))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.cold_wait_s)
+        except TimeoutError:
+            task.add_done_callback(_quiet)
+            raise AdapterCold(
+                f"{name!r} v{version} is placed on no replica and is being loaded; retry",
+                headers={"Retry-After": str(max(1, math.ceil(self.cold_wait_s or 1)))},
+            ) from None
+        except ServiceError:
+            raise
+        except Exception as exc:  # the control plane did not answer: a cold start failed
+            raise AdapterCold(
+                f"{name!r} v{version} is placed on no replica and could not be loaded: {exc}"
+            ) from exc
 
     def candidates(self, route: Route) -> list[Replica]:
         """The replicas that may serve ``route``: routable ones, else every known holder (a
@@ -200,7 +256,7 @@ class Pipeline(Addressing):
             replica = self.balancer.pick(cands, session, exclude=failed)
             if replica is None:
                 break
-            replica.inflight += 1
+            self.balancer.sent(replica, route.key, 1)
             placed_at = replica.agent_url
             try:
                 return await run(replica, failed is None)
@@ -215,7 +271,7 @@ class Pipeline(Addressing):
             except HandOn:
                 failed = replica
             finally:
-                replica.inflight -= 1
+                self.balancer.sent(replica, route.key, -1)
         raise EngineUnavailable(
             "could not connect to a replica" if failed else "no healthy replica right now"
         )

@@ -15,7 +15,7 @@ import aiohttp
 from lorafleet.dataplane.addressing import TableView
 from lorafleet.dataplane.balancer import Balancer, Replica
 from lorafleet.dataplane.metrics import RouterMetrics
-from lorafleet.dataplane.pipeline import Gate, Pipeline
+from lorafleet.dataplane.pipeline import Gate, Pipeline, Warmer
 from lorafleet.dataplane.shapes import HOT_PATHS
 from lorafleet.dataplane.upstream import client_session
 
@@ -36,6 +36,8 @@ class DataPlane:
         api_key: str | None = None,
         upstream_keepalive_s: float = 2.0,
         gate: Gate | None = None,
+        warmer: Warmer | None = None,
+        cold_wait_s: float = 30.0,
         on_session_end: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.table = table
@@ -44,6 +46,9 @@ class DataPlane:
         self.api_key = api_key
         self.upstream_keepalive_s = upstream_keepalive_s
         self.gate = gate
+        self.warmer = warmer
+        """Places a cold version (the control plane's ``Placer``, in one process or by HTTP)."""
+        self.cold_wait_s = cold_wait_s
         self.on_session_end = on_session_end
         """A copy's: hand the end to the control plane before answering (``Syncer.flush``)."""
         self.pipeline: Pipeline | None = None
@@ -64,6 +69,8 @@ class DataPlane:
             fresh=self._fresh,
             api_key=self.api_key,
             gate=self.gate,
+            warmer=self.warmer,
+            cold_wait_s=self.cold_wait_s,
         )
 
     async def stop(self) -> None:

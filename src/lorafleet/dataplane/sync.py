@@ -39,6 +39,8 @@ from lorafleet.protocol.router import AliasEntry, CopyReport, DrainCount, Replic
 
 __all__ = ["CopyTable", "Syncer"]
 
+Leaving = tuple[str, tuple[str, int] | None]
+
 log = logging.getLogger("lorafleet.dataplane.sync")
 
 
@@ -51,7 +53,9 @@ class CopyTable:
         self.seq = 0
         self.flipping: frozenset[str] = frozenset()
         self.draining: list[tuple[str, int]] = []
-        self.leaving: list[str] = []
+        self.leaving: list[Leaving] = []
+        """(agent URL, None) for a replica leaving; (agent URL, (name, version)) for a version
+        being evicted from it."""
         self.pin_cursor = 0
 
     def apply(self, snap: Snapshot) -> None:
@@ -60,7 +64,10 @@ class CopyTable:
         self.epoch, self.seq = snap.epoch, snap.seq
         self.flipping = frozenset(snap.flipping)
         self.draining = [(d.name, d.version) for d in snap.draining]
-        self.leaving = [d.agent_url for d in snap.leaving]
+        self.leaving = [
+            (d.agent_url, None if d.name is None or d.version is None else (d.name, d.version))
+            for d in snap.leaving
+        ]
         self.pin_cursor = snap.pin_cursor
 
 
@@ -161,6 +168,22 @@ class Syncer:
                     ) from exc
                 sessions.adopt([Pin(pin.session, pin.name, pin.version)])
 
+    async def warm(self, name: str, version: int) -> None:
+        """Have the control plane place a cold version, then wait until this copy's table
+        lists a replica for it (the caller bounds the wait)."""
+        await self.control.warm(name, version)
+        while not self._holders(name, version):
+            await self.flush(5.0)
+
+    def _holders(self, name: str, version: int) -> list[str]:
+        entry = self.table.aliases.get(name)
+        ref = (
+            None
+            if entry is None
+            else next((v for v in entry.window() if v.version == version), None)
+        )
+        return [] if ref is None else ref.replicas
+
     async def _until_trusted(self) -> None:
         while self.fenced:
             fresh = self._fresh
@@ -223,8 +246,15 @@ class Syncer:
                 for n, v in self.table.draining
             ],
             leaving=[
-                ReplicaDrain(agent_url=u, inflight=self._inflight_on(u)) for u in self.table.leaving
+                ReplicaDrain(
+                    agent_url=u,
+                    inflight=b.count_on(u, key),
+                    name=key[0] if key else None,
+                    version=key[1] if key else None,
+                )
+                for u, key in self.table.leaving
             ],
+            used=self._used(),
             url=self.url,
             pid=os.getpid(),
             inflight=sum(r.inflight for r in b.replicas),
@@ -261,13 +291,16 @@ class Syncer:
         self._fresh.set()
         self._fresh = asyncio.Event()
 
-    def _inflight_on(self, agent_url: str) -> int:
-        return sum(r.inflight for r in self.balancer.replicas if r.agent_url == agent_url)
+    def _used(self) -> dict[str, float]:
+        now, last, aliases = time.monotonic(), self.balancer.last_used, self.table.aliases
+        for key in [k for k in last if k[0] not in aliases]:
+            del last[key]  # a name gone from the table is used no more
+        return {f"{n}@v{v}": max(0.0, now - t) for (n, v), t in last.items()}
 
     def _watch_drains(self) -> None:
         """Sync again as soon as a version being drained, or a replica leaving, has nothing in
         flight here."""
-        keys: set[tuple[str, int] | str] = {*self.table.draining, *self.table.leaving}
+        keys: set[tuple[str, int] | Leaving] = {*self.table.draining, *self.table.leaving}
         for key, task in list(self._watching.items()):
             if key not in keys:
                 task.cancel()
@@ -275,10 +308,10 @@ class Syncer:
         for key in keys - set(self._watching):
             self._watching[key] = asyncio.create_task(self._drained(key))
 
-    async def _drained(self, key: tuple[str, int] | str) -> None:
-        if isinstance(key, str):
+    async def _drained(self, key: tuple[str, int] | Leaving) -> None:
+        if isinstance(key[0], str) and isinstance(key[1], tuple | None):
             # A replica's count has no waiters (it moves with every request): look often.
-            while self._inflight_on(key):
+            while self.balancer.count_on(*key):  # type: ignore[arg-type]
                 await asyncio.sleep(0.02)
         else:
             await self.balancer.wait_drained(*key, 3600.0)

@@ -36,6 +36,8 @@ Adapters::
                                    canary_mismatch when it answers the trainer's canary
                                    otherwise than the trainer (``protocol/canary.py``)
     POST   /v1/adapters/activate   ActivateRequest -> AdapterRecord ("active")
+    POST   /v1/adapters/evict      UnloadRequest -> AdapterRecord (out of the engine, its verified
+                                   files kept: staged, loadable again without bytes)
     POST   /v1/adapters/unload     UnloadRequest -> AdapterRecord (removed from engine and store);
                                    503 engine_unavailable: it stays "retiring" and the agent
                                    removes it (engine first, then files) once the engine answers

@@ -65,8 +65,10 @@ class ErrorCode(StrEnum):
     CANARY_MISMATCH = "canary_mismatch", 502
     ENGINE_UNAVAILABLE = "engine_unavailable", 503
     NO_REPLICA = "no_replica", 503
+    ADAPTER_COLD = "adapter_cold", 503
     TABLE_STALE = "table_stale", 503
     UNKNOWN_REPLICA = "unknown_replica", 409
+    NO_ROOM = "no_room", 409
     STREAM_INTERRUPTED = "stream_interrupted", 502
     TRANSFER_STALLED = "transfer_stalled", 408
     INTERNAL = "internal_error", 500

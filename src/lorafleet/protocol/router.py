@@ -36,6 +36,10 @@ Control plane (the control token, separate from the inference key)::
                                                number, never handed out twice)
     DELETE /v1/control/aliases/{name}/reserve/{version}?holder=  -> 204 (give back a number
                                                whose attempt reached no engine)
+    POST   /v1/control/aliases/{name}/warm     WarmRequest -> WarmResult (place a cold version:
+                                               load it on a replica, making room there)
+    POST   /v1/control/replicas/{replica_id}/room  RoomRequest -> RoomResult (evict the least
+                                               recently used versions, drained, to free slots)
 
 Data-plane copies (``docs/router.md``; the control token)::
 
@@ -93,12 +97,16 @@ __all__ = [
     "ReplicaStatus",
     "Reservation",
     "ReserveRequest",
+    "RoomRequest",
+    "RoomResult",
     "RoutableVersion",
     "RouterHealth",
     "SessionPolicy",
     "SetAliasRequest",
     "Snapshot",
     "VersionTag",
+    "WarmRequest",
+    "WarmResult",
 ]
 
 ADAPTER_HEADER = "X-Lorafleet-Adapter"
@@ -193,6 +201,13 @@ class AliasEntry(_Model):
     """The retention window, newest first (the newest is ``version``)."""
     lagging: dict[str, LagState] = Field(default_factory=dict)
     """Replicas that do not hold ``version`` yet: routed none of it until caught up."""
+    placement: list[str] | None = None
+    """The replicas this name is placed on (``docs/placement.md``): catch-up feeds only these.
+    None: every replica (a name never evicted anywhere). An eviction takes its replica out, an
+    on-demand load puts one in."""
+
+    def placed_on(self, replica_id: str) -> bool:
+        return self.placement is None or replica_id in self.placement
 
     def window(self) -> list[RoutableVersion]:
         """The routable versions, newest first (an entry written before windows: the newest)."""
@@ -323,11 +338,44 @@ class DrainCount(_Model):
     inflight: int = Field(ge=0)
 
 
+class RoomRequest(_Model):
+    """Make room for ``need`` more adapters on a replica whose engine is full, by evicting the
+    least recently used versions of names other than ``keep`` (drained first)."""
+
+    need: int = Field(default=1, ge=1, le=64)
+    keep: list[str] = Field(default_factory=list, max_length=64)
+
+
+class RoomResult(_Model):
+    replica_id: str
+    free: int
+    """Free slots on the replica now (at least ``need`` when the call succeeded)."""
+    evicted: list[str] = Field(default_factory=list)
+    """The engine names evicted for it (``name@vN``)."""
+
+
+class WarmRequest(_Model):
+    version: Version | None = None
+    """The version to place (None: the newest)."""
+
+
+class WarmResult(_Model):
+    name: str
+    version: int
+    replicas: list[str]
+    """The replicas that hold it now."""
+    loaded: str | None = None
+    """The replica it was loaded on by this call (None: it was placed already)."""
+
+
 class ReplicaDrain(_Model):
     """Requests a copy has in flight on one replica that is leaving the fleet."""
 
     agent_url: str = Field(max_length=2048)
     inflight: int = Field(ge=0)
+    name: str | None = Field(default=None, max_length=256)
+    version: int | None = Field(default=None, ge=1)
+    """Set: only the requests for this version on the replica (an eviction drains it)."""
 
 
 class CopyReport(_Model):
@@ -353,6 +401,9 @@ class CopyReport(_Model):
     healthy_replicas: int = Field(default=0, ge=0)
     requests: int = Field(default=0, ge=0)
     started_at: float = 0.0
+    used: dict[str, float] = Field(default_factory=dict, max_length=100_000)
+    """``name@vN`` -> seconds since this copy last routed a request for it (the control plane
+    evicts the least recently used)."""
 
 
 class Snapshot(_Model):

@@ -409,9 +409,14 @@ class AsyncPublisher:
         return (max(versions), (max(versions),), {}) if versions else (None, (), {})
 
     async def _check_room(self, name: str, keep_versions: int, agents: Sequence[Agent]) -> None:
-        """Refuse, before any byte moves, a retention some replica's engine cannot hold: its
-        other adapters plus ``keep_versions + 1`` of this name (the window, and the new version
-        while the oldest drains). Raises ``PublishError`` naming each such replica."""
+        """Before any byte moves, room on every replica's engine for this publication.
+
+        A retention the engine can never hold (``keep_versions + 1`` slots: the window, and the
+        new version while the oldest drains) is refused. Otherwise the slots needed now are the
+        versions of this name held there (up to ``keep_versions``) plus the new one; where other
+        names fill the rest, the router evicts the least recently used of them, drained first
+        (``docs/placement.md``). Raises ``PublishError`` naming each replica that has no room.
+        """
         capped = [a for a in agents if a.info and a.info.capabilities.max_adapters]
         lists = await asyncio.gather(
             *(a.client.list_adapters() for a in capped), return_exceptions=True
@@ -421,17 +426,30 @@ class AsyncPublisher:
             if isinstance(records, BaseException):
                 continue  # unreachable now: its own load check refuses what it cannot hold
             cap = agent.info.capabilities.max_adapters  # type: ignore[union-attr]
-            others = {
-                r.engine_name
-                for r in records
-                if r.name != name and r.state in (AdapterState.LOADED, AdapterState.ACTIVE)
-            }
-            if len(others) + keep_versions + 1 > cap:
+            if keep_versions + 1 > cap:
                 short[agent.id] = (
-                    f"its engine holds at most {cap} adapters: {len(others)} of other names "
-                    f"plus {keep_versions} version(s) of {name!r} and the one being published "
-                    f"need {len(others) + keep_versions + 1}"
+                    f"its engine holds at most {cap} adapters: {keep_versions} version(s) of "
+                    f"{name!r} and the one being published need {keep_versions + 1}"
                 )
+                continue
+            held = [r for r in records if r.state in (AdapterState.LOADED, AdapterState.ACTIVE)]
+            others = {r.engine_name for r in held if r.name != name}
+            mine = min(keep_versions, len({r.version for r in held if r.name == name}))
+            over = len(others) + mine + 1 - cap
+            if over <= 0:
+                continue
+            why = (
+                f"its engine holds at most {cap} adapters: {len(others)} of other names plus "
+                f"{mine} version(s) of {name!r} and the one being published need "
+                f"{len(others) + mine + 1}"
+            )
+            if self.router is None:
+                short[agent.id] = why
+                continue
+            try:
+                await self.router.make_room(agent.id, over, keep=[name])
+            except LorafleetError as exc:
+                short[agent.id] = f"{why}, and the router could not make room: {exc}"
         if short:
             raise PublishError(
                 f"cannot keep {keep_versions} version(s) of {name!r}: some replicas have no room; "

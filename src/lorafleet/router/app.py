@@ -33,6 +33,7 @@ from lorafleet.dataplane.shapes import SHAPES
 from lorafleet.router.catchup import CatchUp
 from lorafleet.router.config import RouterConfig
 from lorafleet.router.copies import Copies
+from lorafleet.router.placement import Placer
 from lorafleet.router.routes import RouteContext, aliases, copies, leases, reads, replicas
 from lorafleet.router.table import AliasStore
 
@@ -66,7 +67,17 @@ class RouterApp:
             self.metrics,
             api_key=config.api_key,
             upstream_keepalive_s=config.upstream_keepalive_s,
+            cold_wait_s=config.cold_wait_s,
         )
+        self.placer = Placer(
+            self.store,
+            self.balancer,
+            self.copies,
+            self.metrics,
+            token=config.agent_token,
+            on_change=self.prune_metrics,
+        )
+        self.plane.warmer = self.placer
         self.poller: HealthPoller | None = None
         self.catch_up: CatchUp | None = None
         self.api = _build_api(self)
@@ -116,6 +127,7 @@ class RouterApp:
         finally:
             if self.catch_up is not None:
                 await self.catch_up.stop()
+            await self.placer.stop()
             await self.poller.stop()
             await self.plane.stop()
 
@@ -157,16 +169,19 @@ class RouterApp:
             for rid, lag in e.lagging.items():
                 self.metrics.lagging.labels(name, rid).set(1)
                 self.metrics.lagging_since.labels(name, rid).set(lag.since_version)
-        self._export_canary()
+        self._export_table()
 
-    def _export_canary(self) -> None:
-        # From the table at each scrape: a retired version's series go with it.
+    def _export_table(self) -> None:
+        # From the table at each scrape (holders and canary figures): a retired version's
+        # series go with it.
         m = self.metrics
         m.canary_delta.clear()
         m.canary_passed.clear()
+        m.holders.clear()
         passed = {"passed": 1, "failed": 0, "uninformative": -1}
         for name, e in self.store.aliases.items():
             for v in e.window():
+                m.holders.labels(name, str(v.version)).set(len(v.replicas))
                 for rid, c in v.canary.items():
                     key = (name, str(v.version), rid)
                     m.canary_passed.labels(*key).set(passed[c.outcome])

@@ -145,6 +145,12 @@ class CatchUp:
         rid = r.replica_id
         assert rid is not None
         seqs = self._quiet_names()
+        # What the table listed this replica for before the listing: a holder added meanwhile
+        # (an on-demand load) is not missing from a listing taken before it loaded.
+        before = {
+            (n, v.version) for n, e in self.store.aliases.items() for v in e.window()
+            if rid in v.replicas
+        }  # fmt: skip
         try:
             records = await self.client(r.agent_url).list_adapters()
         except LorafleetError:
@@ -160,8 +166,10 @@ class CatchUp:
                     # flipped without a digest (by hand, not by a Publisher) names no bytes.
                     continue
                 mine = holds(records, name, ref)
+                if rid not in ref.replicas and not entry.placed_on(rid):
+                    continue  # evicted here to make room: placed elsewhere, loaded on demand
                 if rid in ref.replicas:
-                    if mine is None:
+                    if mine is None and (name, ref.version) in before:
                         why = "listed, but its agent no longer holds it with this digest"
                         changed |= self.store.drop_holder(name, ref.version, rid, why)
                         log.warning("replica %s: %s v%d %s", rid, name, ref.version, why)

@@ -62,7 +62,7 @@ class _Copy:
     acked: int = 0
     epoch: str | None = None
     draining: dict[tuple[str, int], int] = field(default_factory=dict)
-    leaving: dict[str, int] = field(default_factory=dict)
+    leaving: dict[tuple[str, tuple[str, int] | None], int] = field(default_factory=dict)
 
 
 class Copies:
@@ -91,8 +91,11 @@ class Copies:
         self.seq = 1
         self.flipping: set[str] = set()
         self.draining: set[tuple[str, int]] = set()
-        self.leaving: set[str] = set()
-        """Agent URLs of replicas leaving the fleet, whose in-flight counts copies report."""
+        self.leaving: set[tuple[str, tuple[str, int] | None]] = set()
+        """(agent URL, None) of replicas leaving the fleet, and (agent URL, (name, version)) of
+        versions being evicted from one: copies report their in-flight counts."""
+        self.used: dict[tuple[str, int], float] = {}
+        """(name, version) -> monotonic time a copy last reported routing it."""
         self.copies: dict[str, _Copy] = {}
         self._pins: list[Pin] = []
         self._pin_base = 0
@@ -140,7 +143,18 @@ class Copies:
         c.report, c.last_seen = r, now
         c.epoch, c.acked = r.epoch, r.acked if r.epoch == self.epoch else 0
         c.draining = {(d.name, d.version): d.inflight for d in r.draining}
-        c.leaving = {d.agent_url: d.inflight for d in r.leaving}
+        c.leaving = {
+            (d.agent_url, None if d.name is None or d.version is None else (d.name, d.version)): (
+                d.inflight
+            )
+            for d in r.leaving
+        }
+        now = self._clock()
+        for ename, ago in r.used.items():
+            name, _, v = ename.rpartition("@v")
+            if name and v.isdigit():
+                key = (name, int(v))
+                self.used[key] = max(self.used.get(key, 0.0), now - ago)
         if r.pins:
             self.log_pins(self.sessions.merge(Pin(p.session, p.name, p.version) for p in r.pins))
         # Sessions idle past their lifetime end everywhere; the in-process data plane's own
@@ -166,7 +180,15 @@ class Copies:
             agents=list(self._agents()) if full else None,
             flipping=sorted(self.flipping),
             draining=[DrainCount(name=n, version=v, inflight=0) for n, v in sorted(self.draining)],
-            leaving=[ReplicaDrain(agent_url=u, inflight=0) for u in sorted(self.leaving)],
+            leaving=[
+                ReplicaDrain(
+                    agent_url=u,
+                    inflight=0,
+                    name=k[0] if k else None,
+                    version=k[1] if k else None,
+                )
+                for u, k in sorted(self.leaving, key=lambda x: (x[0], x[1] or ("", 0)))
+            ],
             pins=[PinRecord(session=p.session, name=p.name, version=p.version) for p in pins],
             pin_cursor=self._pin_base + start + len(pins),
             lease_s=self.lease_s,
@@ -273,9 +295,10 @@ class Copies:
         """Requests in flight for (name, version) on every live copy, as last reported."""
         return self._sum(lambda c: c.draining.get((name, version)))
 
-    def count_on(self, agent_url: str) -> int:
-        """Requests in flight on the replica at ``agent_url`` on every live copy, as reported."""
-        return self._sum(lambda c: c.leaving.get(agent_url))
+    def count_on(self, agent_url: str, key: tuple[str, int] | None = None) -> int:
+        """Requests in flight on the replica at ``agent_url`` (for ``key`` only, if given) on
+        every live copy, as reported."""
+        return self._sum(lambda c: c.leaving.get((agent_url, key)))
 
     def _sum(self, reported: Callable[[_Copy], int | None]) -> int:
         self._forget_dead()
@@ -291,14 +314,18 @@ class Copies:
         finally:
             self.draining.discard(key)
 
-    async def wait_replica_drained(self, agent_url: str, deadline: float) -> int:
+    async def wait_replica_drained(
+        self, agent_url: str, deadline: float, key: tuple[str, int] | None = None
+    ) -> int:
         """Ask every copy for its requests in flight on the replica at ``agent_url`` (leaving
-        the fleet) and wait until all are 0 or the deadline passes; the count left."""
-        self.leaving.add(agent_url)
+        the fleet; or, with ``key``, for that version only: it is being evicted there) and wait
+        until all are 0 or the deadline passes; the count left."""
+        mark = (agent_url, key)
+        self.leaving.add(mark)
         try:
-            return await self._wait_zero(lambda c: c.leaving.get(agent_url), deadline)
+            return await self._wait_zero(lambda c: c.leaving.get(mark), deadline)
         finally:
-            self.leaving.discard(agent_url)
+            self.leaving.discard(mark)
 
     async def _wait_zero(self, reported: Callable[[_Copy], int | None], deadline: float) -> int:
         """Until every live copy reported (not None) a count, and they sum to 0; or the

@@ -280,11 +280,15 @@ class AliasStore:
                 )
                 for v in window
             ]
+            placement = entry.placement
+            if not member and placement is not None:
+                placement = without(placement)
             changed[name] = entry.model_copy(
                 update={
                     "replicas": without(entry.replicas),
                     "routable": routable,
                     "lagging": lagging,
+                    "placement": placement,
                 }
             )
         if changed:
@@ -339,6 +343,40 @@ class AliasStore:
         if version == entry.version:
             update["replicas"] = [*entry.replicas, replica_id]
             update["lagging"] = {r: s for r, s in entry.lagging.items() if r != replica_id}
+        if entry.placement is not None and replica_id not in entry.placement:
+            update["placement"] = [*entry.placement, replica_id]
+        self._replace(name, entry.model_copy(update=update))
+        return True
+
+    def evict_holder(self, name: str, version: int, replica_id: str, members: list[str]) -> bool:
+        """``replica_id`` gives up ``version`` of ``name`` to make room: off its holders and its
+        placement (``members``: every replica id, what a placement of None stood for), so that
+        nothing routes it there and catch-up does not put it back. True if it was listed."""
+        entry = self.aliases.get(name)
+        if entry is None:
+            return False
+        window = entry.window()
+        if not any(v.version == version and replica_id in v.replicas for v in window):
+            return False
+        routable = [
+            v.model_copy(
+                update={
+                    "replicas": [r for r in v.replicas if r != replica_id],
+                    "canary": {r: c for r, c in v.canary.items() if r != replica_id},
+                }
+            )
+            if v.version == version
+            else v
+            for v in window
+        ]
+        placed = entry.placement if entry.placement is not None else members
+        update: dict = {
+            "routable": routable,
+            "placement": [r for r in placed if r != replica_id],
+            "lagging": {r: s for r, s in entry.lagging.items() if r != replica_id},
+        }
+        if version == entry.version:
+            update["replicas"] = [r for r in entry.replicas if r != replica_id]
         self._replace(name, entry.model_copy(update=update))
         return True
 

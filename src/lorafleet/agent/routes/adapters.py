@@ -71,6 +71,12 @@ def routes(ctx: AgentRoutes) -> APIRouter:
         answer: the record is then ``retiring`` and the agent finishes once it answers."""
         return await rt.service.unload(req.name, req.version)
 
+    @api.post("/v1/adapters/evict", dependencies=guard, responses=errors(*ctl, 404, 409, 413, 503))
+    async def evict(req: UnloadRequest) -> AdapterRecord:
+        """Out of the engine, its verified files kept (``staged``): a later load needs no
+        bytes. 409 for a version loaded in place; 503 when the engine does not answer."""
+        return await rt.service.evict(req.name, req.version)
+
     @api.get(
         "/v1/adapters/{name}/{version}/manifest",
         dependencies=guard,

@@ -17,6 +17,7 @@ from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import UnknownReplica
 from lorafleet.protocol.router import ReplicaStatus
 from lorafleet.router.copies import Copies
+from lorafleet.router.placement import Placer
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouteContext", "RouterState", "replica_status"]
@@ -30,6 +31,7 @@ class RouterState(Protocol):
     metrics: RouterMetrics
     poller: HealthPoller | None
     copies: Copies
+    placer: Placer
 
     def prune_metrics(self) -> None: ...
     def membership_changed(self) -> None: ...

@@ -17,6 +17,8 @@ from lorafleet.protocol.router import (
     Reservation,
     ReserveRequest,
     SetAliasRequest,
+    WarmRequest,
+    WarmResult,
 )
 from lorafleet.router.routes import RouteContext
 
@@ -84,6 +86,20 @@ def routes(ctx: RouteContext) -> APIRouter:
             )
         router.prune_metrics()
         return entry
+
+    @api.post(
+        "/v1/control/aliases/{name}/warm",
+        dependencies=ctl,
+        response_model=WarmResult,
+        responses=errors(*guarded, 404, 413, 503),
+    )
+    async def warm(name: AdapterName, req: WarmRequest) -> WarmResult:
+        """Place a cold version (routable, held by no replica in rotation): load it on one,
+        evicting the least recently used there if its engine is full (docs/placement.md).
+        Answered once every data-plane copy has the table that lists it. 404 for a name or
+        version that is not routable; 503 ``adapter_cold`` (the reason) when it could be loaded
+        nowhere."""
+        return await router.placer.warm(name, req.version)
 
     @api.post(
         "/v1/control/aliases/{name}/reserve",

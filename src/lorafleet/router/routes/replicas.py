@@ -20,6 +20,8 @@ from lorafleet.protocol.router import (
     MoveReplicaRequest,
     ReplicaList,
     ReplicaStatus,
+    RoomRequest,
+    RoomResult,
 )
 from lorafleet.router.routes import RouteContext, replica_status
 
@@ -119,6 +121,20 @@ def routes(ctx: RouteContext) -> APIRouter:
             router.poller.watch(r)
         log.warning("replica %s added at %s; catch-up feeds it", r.replica_id, url)
         return replica_status(r)
+
+    @api.post(
+        "/v1/control/replicas/{replica_id}/room",
+        dependencies=ctl,
+        response_model=RoomResult,
+        responses=errors(*guarded, 404, 409, 413),
+    )
+    async def make_room(
+        replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)], req: RoomRequest
+    ) -> RoomResult:
+        """Free ``need`` adapter slots on the replica by evicting its least recently used
+        versions of names other than ``keep``, each drained first (docs/placement.md). 409
+        ``no_room`` when that many cannot be freed."""
+        return await router.placer.make_room(find(replica_id), req.need, frozenset(req.keep))
 
     @api.delete(
         "/v1/control/replicas/{replica_id}",
