@@ -353,7 +353,17 @@ class Placer:
         timeouts = InstallTimeouts(
             call_s=self.call_timeout_s, transfer_s=self.load_timeout_s, load_s=self.load_timeout_s
         )
+        # An eviction of this very version from ``target`` may be under way (it was listed
+        # there until a moment ago): let it finish, then look again. Once it is not listed
+        # there, nothing evicts it from ``target`` until this load lists it.
+        async with self._rooms.setdefault(target.agent_url, asyncio.Lock()):
+            pass
         mine = has.get(rid)
+        if mine is not None:
+            records = await asyncio.wait_for(agent.list_adapters(), self.call_timeout_s)
+            mine = next(
+                (x for x in records if (x.name, x.version, x.digest) == (name, v, digest)), None
+            )
         promise: list[_Promise] = []
         if mine is None or mine.state not in _HELD:
             _, promise = await self._room(target, 1, frozenset({name}))
@@ -376,7 +386,9 @@ class Placer:
         rid = target.replica_id
         assert rid is not None
         if mine is None:
-            peer = next(x for x in sources if x is not target)
+            peer = next((x for x in sources if x is not target), None)
+            if peer is None:
+                raise InstallFailed("no other replica in rotation holds its bytes")
             src = self.client(peer.agent_url)
             manifest = await asyncio.wait_for(src.manifest(name, v), self.call_timeout_s)
             install = ReplicaInstall(agent, name, v, manifest, timeouts)
