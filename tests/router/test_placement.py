@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from lorafleet.launch import Launcher
+from lorafleet.protocol.placement import rendezvous
 from lorafleet.publisher import Publisher
 from lorafleet.testing import make_peft_adapter, start_dataplane, wait_until
 from tests.fleets import Fleet
@@ -150,13 +151,17 @@ def test_the_router_lists_only_the_replicas_that_hold_a_version(fleet, adapters)
         assert set(v1["replicas"]) == holding, (name, v1["replicas"], holding)
 
 
-def _cold_names(fleet: Fleet) -> list[str]:
-    table = httpx.get(
+def _table(fleet: Fleet) -> dict:
+    return httpx.get(
         fleet.router.url + "/v1/control/aliases",
         params={"log": "false"},
         headers={"Authorization": f"Bearer {fleet.token}"},
         timeout=10,
     ).json()["aliases"]
+
+
+def _cold_names(fleet: Fleet) -> list[str]:
+    table = _table(fleet)
     return [n for n in NAMES if not table[n]["routable"][0]["replicas"]]
 
 
@@ -198,3 +203,23 @@ def test_a_data_plane_copy_loads_a_cold_name_and_one_past_its_bound_says_retry(f
         message=f"{second} served once its on-demand load finished",
     )
     assert served.json()["choices"][0]["text"] == expected[second]
+
+
+def test_a_placement_set_holds_every_version_of_its_name(fleet, adapters):
+    """``max_replicas=1``: each version of the name goes to the one replica rendezvous hashing
+    ranks first for it (the same one every time), the table records that placement set, and the
+    name is served from there."""
+    name = "placed-once"
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        first = pub.publish(str(adapters[NAMES[0]]), name=name, max_replicas=1)
+        second = pub.publish(str(adapters[NAMES[1]]), name=name, max_replicas=1)
+    ids = sorted(a.url.removeprefix("http://") for a in fleet.agents)
+    chosen = rendezvous(name, ids)[0]
+    assert set(first.replicas) == set(second.replicas) == {chosen}
+    entry = _table(fleet)[name]
+    assert entry["placement"] == [chosen]
+    assert entry["routable"][0]["replicas"] == [chosen]
+    r = _complete(fleet, name)
+    assert r.status_code == 200, r.text
+    assert r.json()["lorafleet"] == {**r.json()["lorafleet"], "adapter": name, "version": 2}
+    assert r.json()["lorafleet"]["replica"] == chosen

@@ -117,6 +117,7 @@ class AsyncRouterClient:
         digest: str | None = None,
         lagging: dict[str, LagState] | None = None,
         canary: dict[str, CanaryVerdict] | None = None,
+        placement: list[str] | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``, keeping the newest ``keep_versions`` routable.
 
@@ -126,7 +127,8 @@ class AsyncRouterClient:
         Raises ``VersionConflict`` (CAS failed or not newer) or ``PublishInProgress`` (another
         holder's lease). ``replicas`` hold it verified with ``digest``; ``lagging`` (a quorum
         publication): the replicas that did not take it, and why; ``canary``: how each of
-        ``replicas`` answered the trainer's canary (kept in the table).
+        ``replicas`` answered the trainer's canary (kept in the table); ``placement``: the name's
+        placement set (None: every replica).
         """
         req = SetAliasRequest(
             version=version,
@@ -139,6 +141,7 @@ class AsyncRouterClient:
             digest=digest,
             lagging=lagging or {},
             canary=canary or {},
+            placement=placement,
         )
         body = req.model_dump(exclude={"expected_version"})
         if not isinstance(expected_version, _NoCas):

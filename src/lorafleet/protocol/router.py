@@ -184,6 +184,9 @@ class SetAliasRequest(_Model):
     canary: dict[str, CanaryVerdict] = Field(default_factory=dict, max_length=MAX_REPLICAS)
     """The canary's figures on each of ``replicas`` (kept in the table and its ``/metrics``);
     an entry for a replica not in ``replicas`` is dropped."""
+    placement: list[str] | None = Field(default=None, max_length=MAX_REPLICAS)
+    """The name's placement set (``Publisher.publish(max_replicas=...)``): the replicas it was
+    published to, holding or lagging; catch-up feeds only these. None: every replica."""
 
 
 class AliasEntry(_Model):

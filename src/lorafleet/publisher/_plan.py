@@ -51,6 +51,9 @@ class Plan:
     quorum: int | None = None
     """How many replicas must take v (verified, loaded, proven) for it to succeed; None: all
     of them (the atomic default). Below it the publication rolls back as with None."""
+    placement: list[str] | None = None
+    """The name's placement set (``publish(max_replicas=...)``), recorded with the flip; None:
+    every replica."""
 
     @property
     def name(self) -> str:

@@ -302,6 +302,7 @@ class Publication:
                     canary={
                         r.id: r.timing.canary for r in self.holders if r.timing.canary is not None
                     },
+                    placement=plan.placement,
                 ),
                 self.timeouts.cutover,
             )

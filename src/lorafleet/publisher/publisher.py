@@ -47,6 +47,7 @@ from lorafleet.errors import (
 from lorafleet.protocol.agent import MAX_FANOUT, AdapterState
 from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.names import check_name
+from lorafleet.protocol.placement import rendezvous
 from lorafleet.protocol.router import LagState, SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
@@ -166,8 +167,16 @@ class AsyncPublisher:
         sessions: SessionPolicy = "pin",
         min_replicas: int | float | None = None,
         canary: Canary | None = None,
+        max_replicas: int | None = None,
     ) -> PublishResult:
         """Publish ``source`` as ``name`` on every replica. See the module docstring.
+
+        ``max_replicas`` (needs a router): publish to at most that many replicas, the name's
+        placement set, chosen by rendezvous hashing of the name over the replicas that are up
+        (the same set for every version of the name while the fleet does not change); the
+        router routes the name there, catch-up feeds only those, and a request sent while none
+        holds it loads it on demand (docs/placement.md). ``min_replicas`` then counts within
+        the set. None: every replica.
 
         ``canary`` (``lorafleet.publisher.canary.compute_canary`` on the trainer's model):
         each replica's engine must also answer it as the trainer did before the flip
@@ -227,6 +236,11 @@ class AsyncPublisher:
         if transfer == "shared_filesystem" and self.shared_dir is None:
             raise ValueError("shared_filesystem transfer needs Publisher(shared_dir=...)")
         quorum = self._quorum(min_replicas, mode)
+        if max_replicas is not None:
+            if self.router is None or max_replicas < 1:
+                raise ValueError("max_replicas is a positive count, and needs a router")
+            if quorum is not None and quorum > max_replicas:
+                raise ValueError(f"min_replicas {quorum} is over max_replicas {max_replicas}")
 
         # Cheap and local first: build (hash once) and validate before any byte leaves.
         t = time.perf_counter()
@@ -249,7 +263,7 @@ class AsyncPublisher:
                         attempt, bundle, name, version, previous, window, lag, unreachable, quorum,
                         mode=mode, transfer=transfer, keep_versions=keep_versions,
                         max_staleness=max_staleness, sessions=sessions, t_start=t_start,
-                        build_s=build_s, canary=canary,
+                        build_s=build_s, canary=canary, max_replicas=max_replicas,
                     )  # fmt: skip
                 except BaseException:
                     if self.router is not None and not attempt.burnt:
@@ -281,6 +295,7 @@ class AsyncPublisher:
         t_start: float,
         build_s: float,
         canary: Canary | None = None,
+        max_replicas: int | None = None,
     ) -> PublishResult:
         """The publication proper, under the lease, with its version number taken."""
         skipped: dict[str, str] = {}
@@ -309,6 +324,10 @@ class AsyncPublisher:
                 skipped,
             )
         agents = [a for a in self._agents if a.id not in skipped and a.id not in unreachable]
+        placement = None
+        if max_replicas is not None:
+            placement = rendezvous(name, [a.id for a in agents])[:max_replicas]
+            agents = [a for a in agents if a.id in placement]
         await self._check_room(name, keep_versions, agents)
         if bundle.version != version:
             bundle = bundle.with_version(version)
@@ -330,6 +349,7 @@ class AsyncPublisher:
             relay_stall_s=self.relay_stall_s,
             quorum=quorum,
             canary=canary,
+            placement=placement,
         )
         publication = Publication(
             plan,

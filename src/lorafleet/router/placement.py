@@ -13,7 +13,8 @@ steps, so that no request fails because of an eviction:
 3. the agent takes the version out of its engine and keeps its verified files (``evict``).
 
 A version that is routable but held nowhere is cold. ``Placer.warm`` places it: on the replica
-ranked first by rendezvous hashing of (version, replica) among those in rotation, preferring
+ranked first by rendezvous hashing of (name, replica) among those in rotation (the rule a
+publication's placement set follows), preferring
 one that already has the verified files, it makes room, loads the version (from that agent's
 store, or from a peer's through the one install path, ``lorafleet.install.ReplicaInstall``),
 proves it (the application probe, and the trainer's canary it was published with), and lists
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -47,11 +47,12 @@ from lorafleet.errors import (
 )
 from lorafleet.install import InstallTimeouts, ReplicaInstall
 from lorafleet.protocol.agent import AdapterRecord, AdapterState, engine_name
+from lorafleet.protocol.placement import rendezvous
 from lorafleet.protocol.router import RoomResult, WarmResult
 from lorafleet.router.copies import Copies
 from lorafleet.router.table import AliasStore
 
-__all__ = ["Placer", "rendezvous"]
+__all__ = ["Placer"]
 
 log = logging.getLogger("lorafleet.router.placement")
 
@@ -60,16 +61,6 @@ _HAS_BYTES = (*_HELD, AdapterState.STAGED, AdapterState.FAILED)
 """Verified files on the agent (a failed load keeps them: the engine refused, not the bytes)."""
 RANKED = 3
 """How many replicas, best first by rendezvous hashing, a cold version is tried on."""
-
-
-def rendezvous(key: str, replica_ids: list[str]) -> list[str]:
-    """``replica_ids`` ordered by highest-random-weight for ``key``: a replica that joins or
-    leaves moves only the keys it ranks first for."""
-
-    def weight(rid: str) -> bytes:
-        return hashlib.blake2b(f"{key}|{rid}".encode(), digest_size=8).digest()
-
-    return sorted(replica_ids, key=weight, reverse=True)
 
 
 @dataclass(eq=False)
@@ -298,7 +289,7 @@ class Placer:
         routable = {x.replica_id: x for x in self.balancer.replicas if x.replica_id and x.routable}
         if not routable:
             raise NoReplica("no replica in rotation to load it on")
-        ranked = [routable[i] for i in rendezvous(f"{name}@v{v}", sorted(routable))]
+        ranked = [routable[i] for i in rendezvous(name, sorted(routable))]
         listings = await asyncio.gather(
             *(
                 asyncio.wait_for(self.client(x.agent_url).list_adapters(), self.call_timeout_s)

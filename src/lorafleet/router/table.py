@@ -169,6 +169,7 @@ class AliasStore:
         digest: str | None = None,
         lagging: dict[str, LagState] | None = None,
         canary: dict[str, CanaryVerdict] | None = None,
+        placement: list[str] | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
 
@@ -227,6 +228,7 @@ class AliasStore:
             sessions=sessions,
             routable=[newest, *kept][:keep_versions],
             lagging=lag,
+            placement=None if placement is None else sorted({*placement, *replicas}),
         )
         aliases = {**self.aliases, name: entry}
         log = [*self.log, event][-MAX_LOG:]

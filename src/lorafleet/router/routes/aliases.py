@@ -82,6 +82,7 @@ def routes(ctx: RouteContext) -> APIRouter:
                 digest=req.digest,
                 lagging=lagging,
                 canary=req.canary,
+                placement=req.placement,
                 **kw,
             )
         router.prune_metrics()
