@@ -36,3 +36,32 @@ def test_a_canary_verdict_is_shown_with_its_figures():
 def test_no_canary_column_without_a_canary():
     text = _text([RECORD])
     assert "canary" not in text and "applied" in text
+
+
+def _with_aliases(aliases: list[dict]) -> str:
+    status = FleetStatus("http://r", True, None, False, [], aliases, 0)
+    info = SimpleNamespace(data_dir="/d", served_model_name="tiny", model="m", dataplane_url=None)
+    out = io.StringIO()
+    console = Console(file=out, width=220)
+    for part in render_status(status, info):  # type: ignore[arg-type]
+        console.print(part)
+    return out.getvalue()
+
+
+ALIAS = {"name": "policy", "version": 2, "engine_name": "policy@v2", "replicas": ["r0"]}
+
+
+def test_a_cold_version_and_placement_sets_are_shown():
+    text = _with_aliases(
+        [
+            ALIAS,
+            {**ALIAS, "name": "tail", "engine_name": "tail@v2", "replicas": [], "placement": []},
+        ]
+    )
+    assert "placement" in text
+    assert "cold (loaded on demand)" in next(x for x in text.splitlines() if "tail@v2" in x)
+    assert "every replica" in next(x for x in text.splitlines() if "policy@v2" in x)
+
+
+def test_no_placement_column_when_every_name_is_everywhere():
+    assert "placement" not in _with_aliases([ALIAS])

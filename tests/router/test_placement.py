@@ -123,7 +123,7 @@ def test_six_names_on_four_slots_are_published_and_served_under_a_zipf_mix(fleet
         assert (tag["adapter"], tag["version"]) == (name, 1), tag
         assert r.json()["choices"][0]["text"] == expected[name], name
     assert not over, f"an engine held more than {SLOTS} adapters: {over[:3]}"
-    loads = 'lorafleet_router_on_demand_loads_total{outcome="%s"}'
+    loads = 'lorafleet_router_on_demand_loads_total{outcome="%s",why="cold"}'
     assert _metric(fleet.router.url, loads % "ok") >= len(cold)
     assert _metric(fleet.router.url, loads % "failed") == 0
     # Every version is still whole somewhere: nothing evicted lost its verified files.
@@ -223,3 +223,35 @@ def test_a_placement_set_holds_every_version_of_its_name(fleet, adapters):
     assert r.status_code == 200, r.text
     assert r.json()["lorafleet"] == {**r.json()["lorafleet"], "adapter": name, "version": 2}
     assert r.json()["lorafleet"]["replica"] == chosen
+
+
+def test_a_name_whose_queue_grows_gets_one_more_replica(fleet, adapters):
+    """Published on one replica (``max_replicas=1``); a data-plane copy started with
+    ``--grow-at 1`` sees requests of it queue on that replica and asks the control plane for
+    one more: the other replica loads it (making room), and the table lists both."""
+    name = "grows"
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        pub.publish(str(adapters[NAMES[2]]), name=name, max_replicas=1)
+    assert len(_table(fleet)[name]["routable"][0]["replicas"]) == 1
+    copy = start_dataplane(fleet.launcher, fleet.router, token=fleet.token, health_interval=0.2,
+                           extra=("--grow-at", "1"))  # fmt: skip
+
+    def burst() -> list[httpx.Response]:
+        def one(_: int) -> httpx.Response:
+            return httpx.post(
+                copy.url + "/v1/completions",
+                json={"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+                timeout=120,
+            )
+
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(one, range(8)))
+
+    def grown() -> bool:
+        answers = burst()
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        return len(_table(fleet)[name]["routable"][0]["replicas"]) == len(fleet.agents)
+
+    wait_until(grown, timeout=120, message=f"{name} held by every replica")
+    more = 'lorafleet_router_on_demand_loads_total{outcome="ok",why="more"}'
+    assert _metric(fleet.router.url, more) >= 1

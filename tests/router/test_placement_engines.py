@@ -84,7 +84,7 @@ def _served_under_slots(server, unload_route, kind, prefix, launcher, tiny_model
             x for x in loads.splitlines() if x.startswith("lorafleet_router_on_demand_loads_total")
         ]
         print(f"{kind}: {ok}")
-        assert any('outcome="ok"' in x and float(x.split()[-1]) >= 1 for x in ok), ok
+        assert any('outcome="ok",why="cold"' in x and float(x.split()[-1]) >= 1 for x in ok), ok
     finally:
         for name in names:
             httpx.post(f"{server.url}{unload_route}", json={"lora_name": f"{name}@v1"},

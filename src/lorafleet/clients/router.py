@@ -262,11 +262,12 @@ class AsyncRouterClient:
         return PinRecord.model_validate_json(r.content)
 
     async def warm(
-        self, name: str, version: int | None = None, timeout: float = 600.0
+        self, name: str, version: int | None = None, timeout: float = 600.0, more: bool = False
     ) -> WarmResult:
-        """Place a cold version of ``name`` (None: the newest) on a replica: loaded, proven,
-        listed (docs/placement.md). ``AdapterCold`` when it could be loaded nowhere."""
-        body = WarmRequest(version=version).model_dump()
+        """Place a cold version of ``name`` (None: the newest) on a replica (with ``more``: on
+        one more replica than holds it): loaded, proven, listed (docs/placement.md).
+        ``AdapterCold`` when it could be loaded nowhere."""
+        body = WarmRequest(version=version, more=more).model_dump()
         r = await self._call(
             "POST",
             f"/v1/control/aliases/{quote(name, safe='')}/warm",

@@ -102,6 +102,7 @@ class CopyApp:
             gate=self.syncer,
             warmer=self.syncer,
             cold_wait_s=config.cold_wait_s,
+            grow_at=config.grow_at,
             on_session_end=lambda: self.syncer.flush(_FLUSH_WAIT_S),
         )
         self.poller: HealthPoller | None = None

@@ -57,6 +57,14 @@ class DataPlaneSettings:
         "control plane loads it; past that, 503 adapter_cold with Retry-After (the load goes "
         "on). 0: answer 503 at once and load in the background.",
     )
+    grow_at: int = setting(
+        0,
+        flag="--grow-at",
+        type=click.IntRange(min=0),
+        help="Requests of one adapter version in flight on the replica a request is sent to at "
+        "which the control plane is asked to load that version on one more replica (its "
+        "queue grew); 0: never (docs/placement.md).",
+    )
     upstream_keepalive_s: float = setting(
         2.0,
         flag="--upstream-keepalive",

@@ -101,9 +101,9 @@ class RouterMetrics:
         )
         self.on_demand_loads = Counter(
             "lorafleet_router_on_demand_loads",
-            "Cold versions placed on a replica because a request asked for them, by outcome "
-            "(ok, failed)",
-            ["outcome"],
+            "Versions loaded on a replica because requests asked for them, by why (cold: held "
+            "nowhere; more: its replicas' queues grew) and outcome (ok, failed)",
+            ["why", "outcome"],
             registry=self.registry,
         )
         self.cold_start = Histogram(

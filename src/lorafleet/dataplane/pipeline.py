@@ -81,7 +81,7 @@ class Warmer(Protocol):
     """What places a cold version (``router.placement.Placer``; on a copy, ``sync.Syncer``):
     returns once this data plane's table lists a replica for it."""
 
-    async def warm(self, name: str, version: int) -> object: ...
+    async def warm(self, name: str, version: int, more: bool = False) -> object: ...
 
 
 def _quiet(task: asyncio.Future) -> None:
@@ -111,6 +111,7 @@ class Pipeline(Addressing):
         gate: Gate | None = None,
         warmer: Warmer | None = None,
         cold_wait_s: float = 30.0,
+        grow_at: int = 0,
     ) -> None:
         super().__init__(table, balancer)
         self.metrics = metrics
@@ -122,6 +123,8 @@ class Pipeline(Addressing):
         """A data-plane copy's check that its table may be trusted (``sync.Syncer``)."""
         self.warmer = warmer
         self.cold_wait_s = cold_wait_s
+        self.grow_at = grow_at
+        self._growing: set[tuple[str | None, int | None]] = set()
         self._key = api_key or None
 
     # --- entry ---------------------------------------------------------------------------------
@@ -166,14 +169,33 @@ class Pipeline(Addressing):
         if self.gate is not None:
             await self.gate.admit(models, session)
         if self.warmer is not None:
+            deadline = time.monotonic() + self.cold_wait_s
             for model in models:
-                cold = self._cold(model, session)
-                if cold is not None:
-                    await self._warm(*cold)
+                # Until it has a holder: a version loaded for this request may be evicted again
+                # before the request reaches it (a burst of other cold names on few slots).
+                while (cold := self._cold(model, session)) is not None:
+                    await self._warm(*cold, deadline)
+
+    def _grow(self, route: Route) -> None:
+        """The replica picked for ``route`` has ``grow_at`` requests of its version in flight:
+        ask the control plane, in the background, for one more replica to hold it."""
+        key = route.key
+        if self.warmer is None or route.adapter is None or route.version is None:
+            return
+        if key in self._growing:
+            return
+        self._growing.add(key)
+        task = asyncio.ensure_future(self.warmer.warm(route.adapter, route.version, more=True))
+        task.add_done_callback(lambda t: (self._growing.discard(key), _quiet(t)))
 
     def _cold(self, model: object, session: str | None) -> tuple[str, int] | None:
         """(name, version) when ``model`` resolves to a version no replica holds (a resolve
         error is the resolve's own to raise, later)."""
+        entry = self.table.aliases.get(model) if isinstance(model, str) else None
+        if entry is not None and (session is None or not entry.pins_sessions):
+            # The common case, without a second full resolve: the name's newest version.
+            ref = entry.window()[0]
+            return None if ref.replicas else (entry.name, ref.version)
         try:
             route = self.resolve(model, session)
         except ServiceError:
@@ -182,25 +204,32 @@ class Pipeline(Addressing):
             return None
         return route.adapter, route.version
 
-    async def _warm(self, name: str, version: int) -> None:
-        """Have the control plane place a cold version, waiting up to ``cold_wait_s``.
-        Raises ``AdapterCold`` (with ``Retry-After``) past that; the load goes on."""
+    async def _warm(self, name: str, version: int, deadline: float) -> None:
+        """Have the control plane place a cold version, waiting until ``deadline`` (monotonic;
+        ``cold_wait_s`` after the request arrived), trying again while it could not be placed.
+        Raises ``AdapterCold`` (with ``Retry-After``) past that; a load under way goes on."""
         assert self.warmer is not None
-        task = asyncio.ensure_future(self.warmer.warm(name, version))
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self.cold_wait_s)
-        except TimeoutError:
-            task.add_done_callback(_quiet)
-            raise AdapterCold(
-                f"{name!r} v{version} is placed on no replica and is being loaded; retry",
-                headers={"Retry-After": str(max(1, math.ceil(self.cold_wait_s or 1)))},
-            ) from None
-        except ServiceError:
-            raise
-        except Exception as exc:  # the control plane did not answer: a cold start failed
-            raise AdapterCold(
-                f"{name!r} v{version} is placed on no replica and could not be loaded: {exc}"
-            ) from exc
+        retry = f"{max(1, math.ceil(self.cold_wait_s or 1))}"
+        last: Exception | None = None
+        while True:
+            # Asked at least once, even with no time to wait (``--cold-wait 0``): it loads on.
+            task = asyncio.ensure_future(self.warmer.warm(name, version))
+            try:
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+                return
+            except TimeoutError:
+                task.add_done_callback(_quiet)
+            except (NotFound, VersionNotRoutable):
+                return  # gone meanwhile: the resolve that follows says so
+            except Exception as exc:  # it could not be placed now (no room, no answer)
+                last = exc
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                why = f": {last}" if last is not None else ""
+                raise AdapterCold(
+                    f"{name!r} v{version} is placed on no replica and is being loaded; retry{why}",
+                    headers={"Retry-After": retry},
+                ) from last
 
     def candidates(self, route: Route) -> list[Replica]:
         """The replicas that may serve ``route``: routable ones, else every known holder (a
@@ -257,6 +286,8 @@ class Pipeline(Addressing):
             if replica is None:
                 break
             self.balancer.sent(replica, route.key, 1)
+            if self.grow_at and replica.by_key[route.key] >= self.grow_at:
+                self._grow(route)
             placed_at = replica.agent_url
             try:
                 return await run(replica, failed is None)

@@ -38,6 +38,7 @@ class DataPlane:
         gate: Gate | None = None,
         warmer: Warmer | None = None,
         cold_wait_s: float = 30.0,
+        grow_at: int = 0,
         on_session_end: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.table = table
@@ -49,6 +50,7 @@ class DataPlane:
         self.warmer = warmer
         """Places a cold version (the control plane's ``Placer``, in one process or by HTTP)."""
         self.cold_wait_s = cold_wait_s
+        self.grow_at = grow_at
         self.on_session_end = on_session_end
         """A copy's: hand the end to the control plane before answering (``Syncer.flush``)."""
         self.pipeline: Pipeline | None = None
@@ -71,6 +73,7 @@ class DataPlane:
             gate=self.gate,
             warmer=self.warmer,
             cold_wait_s=self.cold_wait_s,
+            grow_at=self.grow_at,
         )
 
     async def stop(self) -> None:

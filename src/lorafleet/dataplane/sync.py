@@ -168,10 +168,10 @@ class Syncer:
                     ) from exc
                 sessions.adopt([Pin(pin.session, pin.name, pin.version)])
 
-    async def warm(self, name: str, version: int) -> None:
-        """Have the control plane place a cold version, then wait until this copy's table
-        lists a replica for it (the caller bounds the wait)."""
-        await self.control.warm(name, version)
+    async def warm(self, name: str, version: int, more: bool = False) -> None:
+        """Have the control plane place a cold version (``more``: on one more replica), then
+        wait until this copy's table lists a replica for it (the caller bounds the wait)."""
+        await self.control.warm(name, version, more=more)
         while not self._holders(name, version):
             await self.flush(5.0)
 

@@ -210,16 +210,26 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
             adapters.add_row(*row)
 
     active = Table(title="active versions (router aliases)", title_justify="left")
-    for col in ("name", "version", "engine name", "replicas", "in-flight"):
-        active.add_column(col)
+    # The placement column only where a name was placed on some replicas (docs/placement.md).
+    placed = any(a.get("placement") is not None for a in status.aliases)
+    cols = ["name", "version", "engine name", "replicas", "in-flight"]
+    if placed:
+        cols.insert(4, "placement")
+    for col in cols:
+        active.add_column(col, overflow="fold")
     for a in status.aliases:
-        active.add_row(
+        # A version no replica holds is cold: the next request for it loads it.
+        row = [
             a["name"],
             str(a["version"]),
             a["engine_name"],
-            ", ".join(a["replicas"]),
+            ", ".join(a["replicas"]) or "[yellow]cold (loaded on demand)[/yellow]",
             str(a.get("inflight", "?")),
-        )
+        ]
+        if placed:
+            where = a.get("placement")
+            row.insert(4, "every replica" if where is None else ", ".join(where) or "none")
+        active.add_row(*row)
 
     out: list[Any] = [fleet, replicas, adapters, active]
     if status.copies:

@@ -360,6 +360,8 @@ class RoomResult(_Model):
 class WarmRequest(_Model):
     version: Version | None = None
     """The version to place (None: the newest)."""
+    more: bool = False
+    """Place it on one more replica than holds it now (its queue grew), not only if cold."""
 
 
 class WarmResult(_Model):

@@ -68,6 +68,7 @@ class RouterApp:
             api_key=config.api_key,
             upstream_keepalive_s=config.upstream_keepalive_s,
             cold_wait_s=config.cold_wait_s,
+            grow_at=config.grow_at,
         )
         self.placer = Placer(
             self.store,
@@ -143,6 +144,8 @@ class RouterApp:
         Run at every scrape and at every alias change and drain: a router nobody scrapes
         otherwise kept ~6 KiB of series per published version for good (bench/soak.py).
         """
+        if getattr(self, "placer", None) is not None:
+            self.placer.prune()
         active = {(name, v.version) for name, e in self.store.aliases.items() for v in e.window()}
         for adapter, version in list(self.metrics._children):
             if adapter is None or version is None or (adapter, version) in active:

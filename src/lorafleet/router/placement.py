@@ -38,11 +38,13 @@ from lorafleet.dataplane.balancer import Balancer, Replica
 from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import (
     AdapterCold,
+    EngineUnavailable,
     InstallFailed,
     LorafleetError,
     NoReplica,
     NoRoom,
     NotFound,
+    ServiceError,
     VersionNotRoutable,
 )
 from lorafleet.install import InstallTimeouts, ReplicaInstall
@@ -88,6 +90,7 @@ class Placer:
         load_timeout_s: float = 120.0,
         drain_s: float = 30.0,
         promise_s: float = 300.0,
+        grace_s: float = 5.0,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
@@ -99,7 +102,9 @@ class Placer:
         self.load_timeout_s = load_timeout_s
         self.drain_s = drain_s
         self.promise_s = promise_s
+        self.grace_s = grace_s
         self._promised: dict[str, list[_Promise]] = {}
+        self._caps: dict[str, tuple[int | None, float]] = {}
         self.on_change = on_change
         self._http: httpx.AsyncClient | None = None
         self._rooms: dict[str, asyncio.Lock] = {}
@@ -140,8 +145,26 @@ class Placer:
         versions of other names. The slots are promised to ``keep``'s names until versions of
         them fill them (or ``promise_s`` passes): a concurrent call does not count them free.
         Raises ``NoRoom`` when that many cannot be freed."""
-        got, _ = await self._room(r, need, keep)
+        try:
+            got, _ = await self._room(r, need, keep)
+        except (NoRoom, ServiceError):
+            raise
+        except (LorafleetError, TimeoutError) as exc:
+            rid = r.replica_id or r.agent_url
+            raise EngineUnavailable(f"replica {rid}'s agent did not answer: {exc}") from exc
         return got
+
+    def listed(self, name: str, version: int) -> None:
+        """``version`` of ``name`` was just listed on replicas (a flip): it counts as used now,
+        so the next eviction does not take a version nobody had a chance to ask for yet."""
+        self._placed_at[(name, version)] = time.monotonic()
+
+    def prune(self) -> None:
+        """Forget the use of versions no longer routable (run at every alias change)."""
+        live = {(n, v.version) for n, e in self.store.aliases.items() for v in e.window()}
+        for uses in (self.balancer.last_used, self.copies.used, self._placed_at):
+            for key in [k for k in uses if k not in live]:
+                del uses[key]
 
     async def _room(
         self, r: Replica, need: int, keep: frozenset[str]
@@ -149,17 +172,22 @@ class Placer:
         rid = r.replica_id or r.agent_url
         async with self._rooms.setdefault(r.agent_url, asyncio.Lock()):
             agent = self.client(r.agent_url)
-            info = await asyncio.wait_for(agent.info(), self.call_timeout_s)
-            cap = info.capabilities.max_adapters
+            cap = await self._cap(r.agent_url, agent)
             if cap is None:
                 return RoomResult(replica_id=rid, free=need), []
             records = await asyncio.wait_for(agent.list_adapters(), self.call_timeout_s)
             held = [x for x in records if x.state in _HELD]
             promised = self._promises(r.agent_url, held)
             free = cap - len({x.engine_name for x in held}) - len(promised)
+            now = time.monotonic()
             victims = sorted(
                 (x for x in held if x.name not in keep and self._evictable(rid, x)),
-                key=lambda x: self.last_use(x.name, x.version),
+                # Least recently used first; a version listed in the last ``grace_s`` last of
+                # all (requests that waited for it may not have reached it yet).
+                key=lambda x: (
+                    now - self._placed_at.get((x.name, x.version), -1e9) < self.grace_s,
+                    self.last_use(x.name, x.version),
+                ),
             )
             evicted: list[str] = []
             while free < need and victims:
@@ -181,6 +209,14 @@ class Placer:
             ]
             promised.extend(mine)
             return RoomResult(replica_id=rid, free=free - need, evicted=evicted), mine
+
+    async def _cap(self, agent_url: str, agent: AsyncAgentClient) -> int | None:
+        """The engine's adapter slots, as its agent reports them (asked once a minute)."""
+        got = self._caps.get(agent_url)
+        if got is None or got[1] < time.monotonic():
+            info = await asyncio.wait_for(agent.info(), self.call_timeout_s)
+            got = self._caps[agent_url] = (info.capabilities.max_adapters, time.monotonic() + 60)
+        return got[0]
 
     def _evictable(self, rid: str, rec: AdapterRecord) -> bool:
         """Whether ``rec`` may be evicted from replica ``rid``: a versioned load of a name no
@@ -249,9 +285,10 @@ class Placer:
 
     # -- on demand ------------------------------------------------------------------------------
 
-    async def warm(self, name: str, version: int | None = None) -> WarmResult:
+    async def warm(self, name: str, version: int | None = None, more: bool = False) -> WarmResult:
         """Place ``version`` of ``name`` (None: the newest) on a replica if no replica in
-        rotation holds it; one load per version however many ask. Raises ``NotFound``,
+        rotation holds it; with ``more``, on one more replica than holds it now (its queue
+        grew). One load per version at a time however many ask. Raises ``NotFound``,
         ``VersionNotRoutable``, ``AdapterCold`` (it could be placed nowhere: the reason)."""
         entry = self.store.aliases.get(name)
         if entry is None:
@@ -260,25 +297,28 @@ class Placer:
         ref = next((x for x in entry.window() if x.version == v), None)
         if ref is None:
             raise VersionNotRoutable(f"{name!r} v{v} is not routable")
-        if self.balancer.candidates(ref.replicas):
-            return WarmResult(name=name, version=v, replicas=list(ref.replicas))
         key = (name, v)
         task = self._warming.get(key)
         if task is None:
-            task = asyncio.create_task(self._timed(name, v), name=f"warm {name}@v{v}")
+            held = self.balancer.candidates(ref.replicas)
+            if held and (not more or len(held) >= len(self.balancer.candidates(None))):
+                return WarmResult(name=name, version=v, replicas=list(ref.replicas))
+            task = asyncio.create_task(self._timed(name, v, more), name=f"warm {name}@v{v}")
             self._warming[key] = task
             task.add_done_callback(lambda _t: self._warming.pop(key, None))
         return await asyncio.shield(task)
 
-    async def _timed(self, name: str, v: int) -> WarmResult:
+    async def _timed(self, name: str, v: int, more: bool) -> WarmResult:
         t0 = time.perf_counter()
+        why = "more" if more else "cold"
         try:
             got = await self._place(name, v)
         except BaseException:
-            self.metrics.on_demand_loads.labels("failed").inc()
+            self.metrics.on_demand_loads.labels(why, "failed").inc()
             raise
-        self.metrics.on_demand_loads.labels("ok").inc()
-        self.metrics.cold_start.observe(time.perf_counter() - t0)
+        self.metrics.on_demand_loads.labels(why, "ok").inc()
+        if not more:
+            self.metrics.cold_start.observe(time.perf_counter() - t0)
         return got
 
     async def _place(self, name: str, v: int) -> WarmResult:
@@ -311,8 +351,13 @@ class Placer:
             raise AdapterCold(
                 f"{name!r} v{v} is placed nowhere and no replica in rotation holds its bytes"
             )
-        # The best-ranked replica that has the bytes, then the best-ranked ones that do not.
-        order = sources[:1] + [x for x in ranked if x not in sources[:1]][: RANKED - 1]
+        # Not the replicas that hold it already: the best-ranked one that has the bytes, then
+        # the best-ranked ones that do not.
+        free = [x for x in ranked if x.replica_id not in ref.replicas]
+        if not free:
+            return WarmResult(name=name, version=v, replicas=list(ref.replicas))
+        own = [x for x in free if x.replica_id in has][:1]
+        order = own + [x for x in free if x not in own][: RANKED - len(own)]
         why: list[str] = []
         for target in order:
             try:
@@ -400,6 +445,7 @@ class Placer:
         self._placed_at[(name, v)] = time.monotonic()
         if not self.store.add_holder(name, v, digest, rid, rec.canary):
             raise InstallFailed(f"v{v} is no longer routable with digest {digest[:12]}")
+        self._placed_at[(name, v)] = time.monotonic()
         self._changed()
         await self.copies.wait_acked(self.copies.seq)
         log.info("loaded %s v%d on %s on demand", name, v, rid)

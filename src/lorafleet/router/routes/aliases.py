@@ -85,6 +85,7 @@ def routes(ctx: RouteContext) -> APIRouter:
                 placement=req.placement,
                 **kw,
             )
+        router.placer.listed(name, req.version)
         router.prune_metrics()
         return entry
 
@@ -95,12 +96,13 @@ def routes(ctx: RouteContext) -> APIRouter:
         responses=errors(*guarded, 404, 413, 503),
     )
     async def warm(name: AdapterName, req: WarmRequest) -> WarmResult:
-        """Place a cold version (routable, held by no replica in rotation): load it on one,
-        evicting the least recently used there if its engine is full (docs/placement.md).
+        """Place a cold version (routable, held by no replica in rotation), or with ``more``
+        one whose queue grew on one more replica: load it there, evicting the least recently
+        used if its engine is full (docs/placement.md).
         Answered once every data-plane copy has the table that lists it. 404 for a name or
         version that is not routable; 503 ``adapter_cold`` (the reason) when it could be loaded
         nowhere."""
-        return await router.placer.warm(name, req.version)
+        return await router.placer.warm(name, req.version, req.more)
 
     @api.post(
         "/v1/control/aliases/{name}/reserve",

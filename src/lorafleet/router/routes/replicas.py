@@ -126,14 +126,15 @@ def routes(ctx: RouteContext) -> APIRouter:
         "/v1/control/replicas/{replica_id}/room",
         dependencies=ctl,
         response_model=RoomResult,
-        responses=errors(*guarded, 404, 409, 413),
+        responses=errors(*guarded, 404, 409, 413, 503),
     )
     async def make_room(
         replica_id: Annotated[str, FastAPIPath(max_length=MAX_REPLICA_ID)], req: RoomRequest
     ) -> RoomResult:
         """Free ``need`` adapter slots on the replica by evicting its least recently used
         versions of names other than ``keep``, each drained first (docs/placement.md). 409
-        ``no_room`` when that many cannot be freed."""
+        ``no_room`` when that many cannot be freed; 503 when the replica's agent does not
+        answer."""
         return await router.placer.make_room(find(replica_id), req.need, frozenset(req.keep))
 
     @api.delete(
