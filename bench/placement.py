@@ -170,10 +170,13 @@ async def run_baseline(model, adapters, mix, concurrency, root) -> dict:
         async with httpx.AsyncClient(timeout=300) as http:
 
             async def ensure(i: int, name: str) -> None:
+                """Loaded on engine ``i`` and counted in flight there (under the lock: the
+                resolver never evicts an adapter of its running batch)."""
                 e = engines[i]
                 async with locks[i]:
                     if name in cache[i]:
                         cache[i].move_to_end(name)
+                        inflight[i][name] = inflight[i].get(name, 0) + 1
                         return
                     t = time.perf_counter()
                     while len(cache[i]) >= SLOTS[i]:
@@ -189,14 +192,14 @@ async def run_baseline(model, adapters, mix, concurrency, root) -> dict:
                     r = await http.post(e.url + "/v1/load_lora_adapter", json=load)
                     r.raise_for_status()
                     cache[i][name] = None
+                    inflight[i][name] = inflight[i].get(name, 0) + 1
                     loads.append(time.perf_counter() - t)
 
             async def send(name: str) -> bool:
                 nonlocal rr
                 i = rr = (rr + 1) % len(engines)
-                inflight[i][name] = inflight[i].get(name, 0) + 1
+                await ensure(i, name)
                 try:
-                    await ensure(i, name)
                     r = await http.post(engines[i].url + "/v1/completions", json=body(name))
                     return r.status_code == 200
                 finally:
