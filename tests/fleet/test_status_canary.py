@@ -12,7 +12,10 @@ from lorafleet.fleet.status import FleetStatus, ReplicaView, render_status
 
 def _text(adapters: list[dict]) -> str:
     replica = ReplicaView(0, "reference", "http://a", "http://e", "r0", True, adapters=adapters)
-    status = FleetStatus("http://r", True, None, False, [replica], [], 0)
+    return _render(FleetStatus("http://r", True, None, False, [replica], [], 0))
+
+
+def _render(status: FleetStatus) -> str:
     info = SimpleNamespace(data_dir="/d", served_model_name="tiny", model="m", dataplane_url=None)
     out = io.StringIO()
     console = Console(file=out, width=220)
@@ -39,13 +42,7 @@ def test_no_canary_column_without_a_canary():
 
 
 def _with_aliases(aliases: list[dict]) -> str:
-    status = FleetStatus("http://r", True, None, False, [], aliases, 0)
-    info = SimpleNamespace(data_dir="/d", served_model_name="tiny", model="m", dataplane_url=None)
-    out = io.StringIO()
-    console = Console(file=out, width=220)
-    for part in render_status(status, info):  # type: ignore[arg-type]
-        console.print(part)
-    return out.getvalue()
+    return _render(FleetStatus("http://r", True, None, False, [], aliases, 0))
 
 
 ALIAS = {"name": "policy", "version": 2, "engine_name": "policy@v2", "replicas": ["r0"]}

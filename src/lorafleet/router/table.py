@@ -350,17 +350,18 @@ class AliasStore:
         self._replace(name, entry.model_copy(update=update))
         return True
 
-    def evict_holder(self, name: str, version: int, replica_id: str, members: list[str]) -> bool:
-        """``replica_id`` gives up ``version`` of ``name`` to make room: off its holders and its
-        placement (``members``: every replica id, what a placement of None stood for), so that
-        nothing routes it there and catch-up does not put it back. True if it was listed."""
-        entry = self.aliases.get(name)
+    @staticmethod
+    def _without(
+        entry: AliasEntry | None, version: int, replica_id: str
+    ) -> list[RoutableVersion] | None:
+        """``entry``'s window with ``replica_id`` off ``version`` (its canary figures too); None
+        when it was not listed for it."""
         if entry is None:
-            return False
+            return None
         window = entry.window()
         if not any(v.version == version and replica_id in v.replicas for v in window):
-            return False
-        routable = [
+            return None
+        return [
             v.model_copy(
                 update={
                     "replicas": [r for r in v.replicas if r != replica_id],
@@ -371,6 +372,15 @@ class AliasStore:
             else v
             for v in window
         ]
+
+    def evict_holder(self, name: str, version: int, replica_id: str, members: list[str]) -> bool:
+        """``replica_id`` gives up ``version`` of ``name`` to make room: off its holders and its
+        placement (``members``: every replica id, what a placement of None stood for), so that
+        nothing routes it there and catch-up does not put it back. True if it was listed."""
+        entry = self.aliases.get(name)
+        routable = self._without(entry, version, replica_id)
+        if entry is None or routable is None:
+            return False
         placed = entry.placement if entry.placement is not None else members
         update: dict = {
             "routable": routable,
@@ -386,22 +396,9 @@ class AliasStore:
         """``replica_id`` no longer holds ``version`` (its store was wiped, its engine lost it):
         off that version's replicas, lagging on the newest. True if it was listed."""
         entry = self.aliases.get(name)
-        if entry is None:
+        routable = self._without(entry, version, replica_id)
+        if entry is None or routable is None:
             return False
-        window = entry.window()
-        if not any(v.version == version and replica_id in v.replicas for v in window):
-            return False
-        routable = [
-            v.model_copy(
-                update={
-                    "replicas": [r for r in v.replicas if r != replica_id],
-                    "canary": {r: c for r, c in v.canary.items() if r != replica_id},
-                }
-            )
-            if v.version == version
-            else v
-            for v in window
-        ]
         update: dict = {"routable": routable}
         if version == entry.version:
             update["replicas"] = [r for r in entry.replicas if r != replica_id]
