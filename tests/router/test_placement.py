@@ -255,3 +255,32 @@ def test_a_name_whose_queue_grows_gets_one_more_replica(fleet, adapters):
     wait_until(grown, timeout=120, message=f"{name} held by every replica")
     more = 'lorafleet_router_on_demand_loads_total{outcome="ok",why="more"}'
     assert _metric(fleet.router.url, more) >= 1
+
+
+def test_an_on_demand_load_is_proven_by_the_canary_it_was_published_with(fleet, tiny_model):
+    """A version published with the trainer's canary on one replica, evicted from it (the
+    router's room route, as a publication of other names would), is loaded again by the next
+    request for it and judged by that canary there; the router's table keeps the figures."""
+    from lorafleet.publisher.canary import compute_canary
+    from lorafleet.testing import make_peft_model
+
+    model = make_peft_model(tiny_model, r=8, lora_alpha=16, seed=41)
+    canary = compute_canary(model, n=2)
+    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+        (rid,) = pub.publish(model, name="proven", canary=canary, max_replicas=1).replicas
+    auth = {"Authorization": f"Bearer {fleet.token}"}
+    room = httpx.post(
+        f"{fleet.router.url}/v1/control/replicas/{rid}/room",
+        json={"need": SLOTS},
+        headers=auth,
+        timeout=120,
+    )
+    assert room.status_code == 200, room.text
+    assert "proven@v1" in room.json()["evicted"]
+    assert _table(fleet)["proven"]["routable"][0]["replicas"] == []
+    r = _complete(fleet, "proven")
+    assert r.status_code == 200, r.text
+    (v1,) = _table(fleet)["proven"]["routable"]
+    assert v1["replicas"], v1
+    for holder in v1["replicas"]:
+        assert v1["canary"][holder]["outcome"] == "passed", v1["canary"]
