@@ -267,9 +267,7 @@ class Placer:
             left += await self.copies.wait_replica_drained(r.agent_url, deadline, key)
             if left:
                 log.warning("%s v%d on %s did not drain (%d left): kept", name, version, rid, left)
-                if rec.digest:
-                    self.store.add_holder(name, version, rec.digest, rid, rec.canary)
-                    self._changed()
+                self._relist(rid, rec, listed)
                 return False
         elif self.balancer.count(name, version) + self.copies.count(name, version):
             return False  # no longer routable, still finishing (a retired version draining)
@@ -277,11 +275,20 @@ class Placer:
             agent = self.client(r.agent_url)
             await asyncio.wait_for(agent.evict(name, version), self.call_timeout_s)
         except (LorafleetError, TimeoutError) as exc:
+            # The agent still lists it in its engine: listed again, so it is neither lost to
+            # routing nor a slot nothing may evict.
             log.warning("evicting %s v%d from %s failed: %s", name, version, rid, exc)
+            self._relist(rid, rec, listed)
             return False
         self.metrics.evictions.inc()
         log.info("evicted %s v%d from %s (least recently used)", name, version, rid)
         return True
+
+    def _relist(self, rid: str, rec: AdapterRecord, listed: bool) -> None:
+        """An eviction that did not happen: ``rid`` holds ``rec``'s version again."""
+        if listed and rec.digest:
+            self.store.add_holder(rec.name, rec.version, rec.digest, rid, rec.canary)
+            self._changed()
 
     # -- on demand ------------------------------------------------------------------------------
 
