@@ -275,8 +275,10 @@ def test_an_on_demand_load_is_proven_by_the_canary_it_was_published_with(fleet, 
         headers=auth,
         timeout=120,
     )
-    assert room.status_code == 200, room.text
-    assert "proven@v1" in room.json()["evicted"]
+    # Every slot there freed, or as many as could be: a load under way there (catch-up, or a
+    # load on demand) holds its slot and is never pulled from under it (409 no_room then).
+    assert room.status_code in (200, 409), room.text
+    assert "proven@v1" in room.text, room.text
     assert _table(fleet)["proven"]["routable"][0]["replicas"] == []
     r = _complete(fleet, "proven")
     assert r.status_code == 200, r.text
