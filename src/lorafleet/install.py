@@ -135,6 +135,29 @@ class ReplicaInstall:
             self.timeouts.call_s,
         )
 
+    @classmethod
+    async def copied_from_peer(
+        cls,
+        client: AsyncAgentClient,
+        peer: AsyncAgentClient,
+        agent_url: str,
+        name: str,
+        version: int,
+        timeouts: InstallTimeouts,
+        digest: str | None = None,
+    ) -> ReplicaInstall:
+        """The version ``peer`` holds, onto the agent behind ``client`` (at ``agent_url``):
+        its manifest from the peer (``InstallFailed`` when it is not ``digest``'s bytes),
+        staged by ``from_peer`` and loaded. What catch-up and an on-demand load both do; the
+        proof is the caller's (``prove``)."""
+        manifest = await asyncio.wait_for(peer.manifest(name, version), timeouts.call_s)
+        if digest is not None and manifest.digest != digest:
+            raise InstallFailed(f"the peer holds other bytes under v{version}")
+        install = cls(client, name, version, manifest, timeouts)
+        await install.from_peer(peer, agent_url)
+        await install.load()
+        return install
+
     async def from_peer(self, peer: AsyncAgentClient, agent_url: str) -> None:
         """Stage from ``peer``, an agent that holds the version: this agent opens a session
         that takes relayed bytes under a credential minted for this install alone, the peer

@@ -251,19 +251,16 @@ class CatchUp:
             if src is None:
                 raise CatchUpFailed("no peer in rotation holds it")
             peer = self.client(src.agent_url)
-            manifest = await asyncio.wait_for(peer.manifest(name, v), bound)
-            if ref.digest is not None and manifest.digest != ref.digest:
-                raise CatchUpFailed(f"peer {src.replica_id} holds other bytes under v{v}")
             # Other bytes under this engine name (a failed attempt's leftover) go first.
             for rec in await asyncio.wait_for(target.list_adapters(), bound):
-                if rec.name == name and rec.version == v and rec.digest != manifest.digest:
+                if rec.name == name and rec.version == v and rec.digest != ref.digest:
                     await asyncio.wait_for(target.unload(name, v), bound)
-            install = ReplicaInstall(target, name, v, manifest, timeouts)
             try:
-                await install.from_peer(peer, r.agent_url)
+                install = await ReplicaInstall.copied_from_peer(
+                    target, peer, r.agent_url, name, v, timeouts, ref.digest
+                )
             except InstallFailed as exc:
                 raise CatchUpFailed(f"peer {src.replica_id}: {exc}") from exc
-            await install.load()
         else:
             install = ReplicaInstall(target, name, v, None, timeouts)
         rec = await install.prove(canary)

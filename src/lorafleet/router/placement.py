@@ -433,11 +433,10 @@ class Placer:
             if peer is None:
                 raise InstallFailed("no other replica in rotation holds its bytes")
             src = self.client(peer.agent_url)
-            manifest = await asyncio.wait_for(src.manifest(name, v), self.call_timeout_s)
-            install = ReplicaInstall(agent, name, v, manifest, timeouts)
-            await install.from_peer(src, target.agent_url)
             canary = await asyncio.wait_for(src.canary(name, v), self.call_timeout_s)
-            await install.load()
+            install = await ReplicaInstall.copied_from_peer(
+                agent, src, target.agent_url, name, v, timeouts, digest
+            )
         else:
             install = ReplicaInstall(agent, name, v, None, timeouts)
             canary = await asyncio.wait_for(agent.canary(name, v), self.call_timeout_s)
