@@ -72,6 +72,11 @@ def test_node_lost_mid_publication_replica_replaced_and_republished(
             if not removed:  # bytes are moving: the commit is still ahead
                 removed.append(replica)
                 ray_cluster.remove_node(lost)
+                # Called on the publication's event loop: nothing of it moves on until the node
+                # is gone, so no step of the lost replica can finish after this point.
+                wait_until(
+                    lambda: not _answers(old_agent), timeout=60, message="lost agent answers"
+                )
 
         with fleet.publisher(on_progress=lose_node) as pub, pytest.raises(PublishError):
             pub.publish(str(fresh), name="policy", transfer="remote_upload")
@@ -127,3 +132,11 @@ def test_node_lost_mid_publication_replica_replaced_and_republished(
         assert status.router_healthy and all(r.healthy for r in status.replicas)
     finally:
         fleet.shutdown()
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    return True
