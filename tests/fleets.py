@@ -71,6 +71,18 @@ class Fleet:
         r.raise_for_status()
         return [a for a in r.json()["adapters"] if name is None or a["name"] == name]
 
+    def aliases(self) -> dict[str, dict]:
+        """The router's alias table (without its flip log), by name."""
+        assert self.router is not None
+        r = httpx.get(
+            f"{self.router.url}/v1/control/aliases",
+            params={"log": "false"},
+            headers=self._auth,
+            timeout=10,
+        )
+        r.raise_for_status()
+        return r.json()["aliases"]
+
     def engine_models(self, i: int) -> set[str]:
         r = httpx.get(f"{self.engines[i].url}/v1/models", timeout=10)
         return {m["id"] for m in r.json()["data"]}

@@ -53,14 +53,7 @@ def _publish(fleet: Fleet, source: Path, name: str, canary: Canary):
 
 
 def _entry(fleet: Fleet, name: str) -> dict:
-    r = httpx.get(
-        fleet.router.url + "/v1/control/aliases",
-        params={"log": "false"},
-        headers={"Authorization": f"Bearer {fleet.token}"},
-        timeout=10,
-    )
-    r.raise_for_status()
-    return r.json()["aliases"].get(name) or {}
+    return fleet.aliases().get(name) or {}
 
 
 def _served_version(fleet: Fleet, name: str) -> int:

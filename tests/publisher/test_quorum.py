@@ -57,14 +57,7 @@ def adapters(tiny_model, tmp_path_factory) -> list[Path]:
 
 
 def _table(fleet) -> dict:
-    r = httpx.get(
-        fleet.router.url + "/v1/control/aliases",
-        params={"log": "false"},
-        headers={"Authorization": f"Bearer {fleet.token}"},
-        timeout=10,
-    )
-    r.raise_for_status()
-    return r.json()["aliases"]
+    return fleet.aliases()
 
 
 def _holders(fleet, name: str, version: int) -> set[str]:

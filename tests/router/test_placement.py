@@ -152,12 +152,7 @@ def test_the_router_lists_only_the_replicas_that_hold_a_version(fleet, adapters)
 
 
 def _table(fleet: Fleet) -> dict:
-    return httpx.get(
-        fleet.router.url + "/v1/control/aliases",
-        params={"log": "false"},
-        headers={"Authorization": f"Bearer {fleet.token}"},
-        timeout=10,
-    ).json()["aliases"]
+    return fleet.aliases()
 
 
 def _cold_names(fleet: Fleet) -> list[str]:
