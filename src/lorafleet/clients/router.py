@@ -118,6 +118,7 @@ class AsyncRouterClient:
         lagging: dict[str, LagState] | None = None,
         canary: dict[str, CanaryVerdict] | None = None,
         placement: list[str] | None = None,
+        size: int | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``, keeping the newest ``keep_versions`` routable.
 
@@ -128,7 +129,7 @@ class AsyncRouterClient:
         holder's lease). ``replicas`` hold it verified with ``digest``; ``lagging`` (a quorum
         publication): the replicas that did not take it, and why; ``canary``: how each of
         ``replicas`` answered the trainer's canary (kept in the table); ``placement``: the name's
-        placement set (None: every replica).
+        placement set (None: every replica); ``size``: the bundle's bytes.
         """
         req = SetAliasRequest(
             version=version,
@@ -142,6 +143,7 @@ class AsyncRouterClient:
             lagging=lagging or {},
             canary=canary or {},
             placement=placement,
+            size=size,
         )
         body = req.model_dump(exclude={"expected_version"})
         if not isinstance(expected_version, _NoCas):

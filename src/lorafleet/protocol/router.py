@@ -144,6 +144,9 @@ class RoutableVersion(_Model):
     canary: dict[str, CanaryVerdict] = Field(default_factory=dict)
     """How each listed replica's engine answered the trainer's canary when it took this version
     (by a publication or a catch-up); absent for a replica judged without one."""
+    size: int | None = None
+    """The bundle's bytes (its files' sizes summed; None: an entry from before sizes). What a
+    tenant's byte quota counts."""
 
 
 class LagState(_Model):
@@ -187,6 +190,8 @@ class SetAliasRequest(_Model):
     placement: list[str] | None = Field(default=None, max_length=MAX_REPLICAS)
     """The name's placement set (``Publisher.publish(max_replicas=...)``): the replicas it was
     published to, holding or lagging; catch-up feeds only these. None: every replica."""
+    size: int | None = Field(default=None, ge=0)
+    """The bundle's bytes (kept in the table: tenants' byte quotas count them)."""
 
 
 class AliasEntry(_Model):

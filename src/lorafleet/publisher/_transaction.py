@@ -303,6 +303,7 @@ class Publication:
                         r.id: r.timing.canary for r in self.holders if r.timing.canary is not None
                     },
                     placement=plan.placement,
+                    size=plan.bundle.total_size,
                 ),
                 self.timeouts.cutover,
             )

@@ -170,6 +170,7 @@ class AliasStore:
         lagging: dict[str, LagState] | None = None,
         canary: dict[str, CanaryVerdict] | None = None,
         placement: list[str] | None = None,
+        size: int | None = None,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
 
@@ -203,6 +204,7 @@ class AliasStore:
             replicas=list(replicas),
             digest=digest,
             canary={r: c for r, c in (canary or {}).items() if r in replicas},
+            size=size,
         )
         kept = current.window() if current else []
         lag = {r: st for r, st in (current.lagging if current else {}).items() if r not in replicas}

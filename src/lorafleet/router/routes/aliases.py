@@ -83,6 +83,7 @@ def routes(ctx: RouteContext) -> APIRouter:
                 lagging=lagging,
                 canary=req.canary,
                 placement=req.placement,
+                size=req.size,
                 **kw,
             )
         router.placer.listed(name, req.version)
