@@ -136,6 +136,26 @@ class ReplicaInstall:
         )
 
     @classmethod
+    async def registered(
+        cls,
+        client: AsyncAgentClient,
+        manifest: Manifest,
+        path: str | os.PathLike,
+        timeouts: InstallTimeouts,
+    ) -> ReplicaInstall:
+        """A version registered by reference, onto the agent behind ``client``: staged from
+        ``path`` (each file checked against ``manifest`` as the agent copies it) and loaded.
+        An on-demand load does this; the proof is the caller's (``prove``)."""
+        install = cls(client, manifest.name, manifest.version, manifest, timeouts)
+        # Copying is bounded like a transfer, not like a call: the directory may be large.
+        await install._bounded(
+            client.register_path(manifest, path, supersede=True), timeouts.transfer_s
+        )
+        install.touched = True
+        await install.load()
+        return install
+
+    @classmethod
     async def copied_from_peer(
         cls,
         client: AsyncAgentClient,

@@ -31,6 +31,8 @@ from lorafleet.protocol.router import (
     MoveReplicaRequest,
     PinRecord,
     PinRequest,
+    RegisterRequest,
+    RegisterResult,
     ReplicaList,
     ReplicaStatus,
     Reservation,
@@ -277,6 +279,29 @@ class AsyncRouterClient:
             timeout=httpx.Timeout(timeout, connect=3.0),
         )
         return WarmResult.model_validate_json(r.content)
+
+    async def register(self, name: str, path: str, keep_versions: int = 2) -> RegisterResult:
+        """Register the PEFT directory ``path`` by reference as ``name``'s next version: read
+        once by the router, loaded where a request places it (docs/placement.md). Raises
+        ``PathNotAllowed`` (outside the router's roots) and ``AdapterInvalid``."""
+        body = RegisterRequest(name=name, path=path, keep_versions=keep_versions).model_dump()
+        r = await self._call(
+            "POST",
+            "/v1/control/registrations",
+            json=body,
+            timeout=httpx.Timeout(600.0, connect=3.0),
+        )
+        return RegisterResult.model_validate_json(r.content)
+
+    async def resolve(self, name: str, timeout: float = 600.0) -> AliasEntry:
+        """``name``'s entry, registered first from a watched directory if it is not in the
+        table yet. ``NotFound`` when no watched directory holds it either."""
+        r = await self._call(
+            "POST",
+            f"/v1/control/aliases/{quote(name, safe='')}/resolve",
+            timeout=httpx.Timeout(timeout, connect=3.0),
+        )
+        return AliasEntry.model_validate_json(r.content)
 
     async def make_room(
         self, replica_id: str, need: int = 1, keep: list[str] | None = None

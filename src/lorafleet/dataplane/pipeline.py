@@ -40,6 +40,7 @@ from lorafleet.errors import (
     Forbidden,
     InvalidName,
     InvalidRequest,
+    LorafleetError,
     NoReplica,
     NotFound,
     ServiceError,
@@ -49,6 +50,7 @@ from lorafleet.errors import (
     Unauthorized,
     VersionNotRoutable,
 )
+from lorafleet.protocol.names import is_valid_name
 from lorafleet.protocol.router import SESSION_HEADER
 
 __all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Gate", "Pipeline", "Warmer"]
@@ -82,6 +84,16 @@ class Warmer(Protocol):
     returns once this data plane's table lists a replica for it."""
 
     async def warm(self, name: str, version: int, more: bool = False) -> object: ...
+
+    async def resolve(self, name: str) -> bool:
+        """Whether ``name`` is in this data plane's table, after the control plane registered
+        it from a watched directory if one holds it."""
+        ...
+
+
+UNKNOWN_TTL_S = 1.0
+"""How long a name no watched directory held is not asked about again (a client that sends
+many requests for a name that does not exist costs the control plane one look a second)."""
 
 
 def _quiet(task: asyncio.Future) -> None:
@@ -125,6 +137,8 @@ class Pipeline(Addressing):
         self.cold_wait_s = cold_wait_s
         self.grow_at = grow_at
         self._growing: set[tuple[str | None, int | None]] = set()
+        self._unknown: dict[str, float] = {}
+        """Names the control plane found nowhere, until when (monotonic) not to ask again."""
         self._key = api_key or None
 
     # --- entry ---------------------------------------------------------------------------------
@@ -171,10 +185,37 @@ class Pipeline(Addressing):
         if self.warmer is not None:
             deadline = time.monotonic() + self.cold_wait_s
             for model in models:
+                if self._may_resolve(model):
+                    await self._resolve(model, deadline)  # type: ignore[arg-type]
                 # Until it has a holder: a version loaded for this request may be evicted again
                 # before the request reaches it (a burst of other cold names on few slots).
                 while (cold := self._cold(model, session)) is not None:
                     await self._warm(*cold, deadline)
+
+    def _may_resolve(self, model: object) -> bool:
+        """A valid adapter name this table does not know, nor any replica as a base model."""
+        if not isinstance(model, str) or model in self.table.aliases or not is_valid_name(model):
+            return False
+        if self._unknown.get(model, 0.0) > time.monotonic():
+            return False
+        return model not in self.balancer.base_models()
+
+    async def _resolve(self, name: str, deadline: float) -> None:
+        """Ask the control plane to register ``name`` from a watched directory (bounded by
+        ``deadline``); not found: remembered for ``UNKNOWN_TTL_S``, and the resolve that
+        follows answers 404 as for any unknown name."""
+        assert self.warmer is not None
+        try:
+            found = await asyncio.wait_for(
+                self.warmer.resolve(name), max(0.05, deadline - time.monotonic())
+            )
+        except (TimeoutError, LorafleetError):
+            found = False
+        if not found:
+            if len(self._unknown) > 4096:
+                now = time.monotonic()
+                self._unknown = {k: t for k, t in self._unknown.items() if t > now}
+            self._unknown[name] = time.monotonic() + UNKNOWN_TTL_S
 
     def _grow(self, route: Route) -> None:
         """The replica picked for ``route`` has ``grow_at`` requests of its version in flight:

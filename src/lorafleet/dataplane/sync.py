@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.dataplane.balancer import Balancer
 from lorafleet.dataplane.sessions import Pin
-from lorafleet.errors import LorafleetError, TableStale
+from lorafleet.errors import LorafleetError, NotFound, TableStale
 from lorafleet.protocol.router import AliasEntry, CopyReport, DrainCount, ReplicaDrain, Snapshot
 
 __all__ = ["CopyTable", "Syncer"]
@@ -174,6 +174,17 @@ class Syncer:
         await self.control.warm(name, version, more=more)
         while not self._holders(name, version):
             await self.flush(5.0)
+
+    async def resolve(self, name: str) -> bool:
+        """Have the control plane register ``name`` from a watched directory if it is not in
+        the table, then wait until this copy's table has it. False: it is nowhere."""
+        try:
+            await self.control.resolve(name)
+        except NotFound:
+            return False
+        while name not in self.table.aliases:
+            await self.flush(5.0)
+        return True
 
     def _holders(self, name: str, version: int) -> list[str]:
         entry = self.table.aliases.get(name)

@@ -63,10 +63,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from lorafleet.protocol.agent import check_local_path
 from lorafleet.protocol.canary import CanaryVerdict
-from lorafleet.protocol.names import EngineName, LeaseHolder, Version
+from lorafleet.protocol.names import AdapterName, EngineName, LeaseHolder, Version
 
 __all__ = [
     "ADAPTER_HEADER",
@@ -92,6 +93,8 @@ __all__ = [
     "MoveReplicaRequest",
     "PinRecord",
     "PinRequest",
+    "RegisterRequest",
+    "RegisterResult",
     "ReplicaDrain",
     "ReplicaList",
     "ReplicaStatus",
@@ -360,6 +363,32 @@ class RoomResult(_Model):
     """Free slots on the replica now (at least ``need`` when the call succeeded)."""
     evicted: list[str] = Field(default_factory=list)
     """The engine names evicted for it (``name@vN``)."""
+
+
+class RegisterRequest(_Model):
+    """Register a PEFT directory by reference (``router/sources.py``): read once by the router
+    for its manifest, copied and verified by an agent only where it is placed."""
+
+    name: AdapterName
+    path: str = Field(min_length=1, max_length=4095)
+    """A directory under the router's ``--source-allow`` or ``--watch-dir`` roots, readable by
+    the agents under their ``--shared-fs-allow``."""
+    keep_versions: int = Field(default=2, ge=1, le=64)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return check_local_path(v)
+
+
+class RegisterResult(_Model):
+    name: str
+    version: int
+    """The version the directory's bytes are (a new one, or the newest when they are the same)."""
+    digest: str
+    size: int
+    created: bool = True
+    """False: the name's newest version already had these bytes; nothing changed."""
 
 
 class WarmRequest(_Model):

@@ -34,7 +34,16 @@ from lorafleet.router.catchup import CatchUp
 from lorafleet.router.config import RouterConfig
 from lorafleet.router.copies import Copies
 from lorafleet.router.placement import Placer
-from lorafleet.router.routes import RouteContext, aliases, copies, leases, reads, replicas
+from lorafleet.router.routes import (
+    RouteContext,
+    aliases,
+    copies,
+    leases,
+    reads,
+    registrations,
+    replicas,
+)
+from lorafleet.router.sources import Sources
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouterApp", "RouterConfig", "create_app"]
@@ -78,6 +87,15 @@ class RouterApp:
             token=config.agent_token,
             on_change=self.prune_metrics,
         )
+        self.sources = Sources(
+            self.store,
+            self.copies,
+            allow=config.source_allow,
+            watch=config.watch_dirs,
+            state_dir=config.state_dir,
+            on_change=self.prune_metrics,
+        )
+        self.placer.sources = self.sources
         self.plane.warmer = self.placer
         self.poller: HealthPoller | None = None
         self.catch_up: CatchUp | None = None
@@ -113,6 +131,7 @@ class RouterApp:
         )
         await self.poller.poll_once()
         self.poller.start()
+        self.sources.start()
         if self.config.catch_up_interval_s > 0:
             self.catch_up = CatchUp(
                 self.store,
@@ -128,6 +147,7 @@ class RouterApp:
         finally:
             if self.catch_up is not None:
                 await self.catch_up.stop()
+            await self.sources.stop()
             await self.placer.stop()
             await self.poller.stop()
             await self.plane.stop()
@@ -146,6 +166,8 @@ class RouterApp:
         """
         if getattr(self, "placer", None) is not None:
             self.placer.prune()
+        if getattr(self, "sources", None) is not None:
+            self.sources.prune()
         active = {(name, v.version) for name, e in self.store.aliases.items() for v in e.window()}
         for adapter, version in list(self.metrics._children):
             if adapter is None or version is None or (adapter, version) in active:
@@ -210,7 +232,7 @@ def _build_api(router: RouterApp) -> FastAPI:
     keyed = (401, 403) if cfg.api_key is not None else ()
 
     ctx = RouteContext(router, ctl, inference, guarded, keyed)
-    for group in (reads, aliases, leases, replicas, copies):
+    for group in (reads, aliases, leases, replicas, copies, registrations):
         app.include_router(group.routes(ctx))
     app.include_router(data_plane_routes.routes(router.plane, inference, keyed))
     finish_openapi(

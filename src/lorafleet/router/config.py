@@ -45,4 +45,20 @@ class RouterConfig(DataPlaneSettings):
         help="Seconds a session (X-Session-ID) may stay idle before its next request starts "
         "fresh, on the newest version (a lost finish_session does not pin it for good).",
     )
+    watch_dirs: list[str] = setting(
+        flag="--watch-dir",
+        multiple=True,
+        type=click.Path(file_okay=False),
+        default_factory=list,
+        help="Directory whose subdirectories are registered by reference under their own names "
+        "(repeatable; docs/placement.md). The agents must read it (--shared-fs-allow).",
+    )
+    source_allow: list[str] = setting(
+        flag="--source-allow",
+        multiple=True,
+        type=click.Path(file_okay=False),
+        default_factory=list,
+        help="Directory under which /v1/control/registrations may name adapter directories "
+        "(repeatable).",
+    )
     extra: dict = field(default_factory=dict)

@@ -52,6 +52,7 @@ from lorafleet.protocol.agent import AdapterRecord, AdapterState, engine_name
 from lorafleet.protocol.placement import rendezvous
 from lorafleet.protocol.router import RoomResult, WarmResult
 from lorafleet.router.copies import Copies
+from lorafleet.router.sources import Reference, Sources
 from lorafleet.router.table import AliasStore
 
 __all__ = ["Placer"]
@@ -110,6 +111,9 @@ class Placer:
         self._rooms: dict[str, asyncio.Lock] = {}
         self._warming: dict[tuple[str, int], asyncio.Task] = {}
         self._placed_at: dict[tuple[str, int], float] = {}
+        self.sources: Sources | None = None
+        """Registrations by reference: a cold version no replica has the bytes of is loaded
+        from its registered directory."""
 
     def client(self, url: str) -> AsyncAgentClient:
         if self._http is None:
@@ -292,6 +296,13 @@ class Placer:
 
     # -- on demand ------------------------------------------------------------------------------
 
+    async def resolve(self, name: str) -> bool:
+        """Whether ``name`` is in the table, after registering it from a watched directory
+        that holds it (``Sources.resolve``)."""
+        if name in self.store.aliases:
+            return True
+        return self.sources is not None and await self.sources.resolve(name)
+
     async def warm(self, name: str, version: int | None = None, more: bool = False) -> WarmResult:
         """Place ``version`` of ``name`` (None: the newest) on a replica if no replica in
         rotation holds it; with ``more``, on one more replica than holds it now (its queue
@@ -354,7 +365,8 @@ class Placer:
                 ):
                     has[x.replica_id] = rec  # type: ignore[index]
         sources = [x for x in ranked if x.replica_id in has]
-        if not sources:
+        registered = self.sources.reference(name, v) if self.sources is not None else None
+        if not sources and registered is None:
             raise AdapterCold(
                 f"{name!r} v{v} is placed nowhere and no replica in rotation holds its bytes"
             )
@@ -368,7 +380,7 @@ class Placer:
         why: list[str] = []
         for target in order:
             try:
-                await self._load_on(target, name, v, ref.digest, has, sources)
+                await self._load_on(target, name, v, ref.digest, has, sources, registered)
             except (NoRoom, InstallFailed, LorafleetError, TimeoutError) as exc:
                 why.append(f"{target.replica_id}: {exc}")
                 continue
@@ -389,6 +401,7 @@ class Placer:
         digest: str,
         has: dict[str, AdapterRecord],
         sources: list[Replica],
+        registered: Reference | None = None,
     ) -> None:
         rid = target.replica_id
         assert rid is not None
@@ -411,7 +424,7 @@ class Placer:
         if mine is None or mine.state not in _HELD:
             _, promise = await self._room(target, 1, frozenset({name}))
         try:
-            await self._install(target, agent, name, v, digest, mine, sources, timeouts)
+            await self._install(target, agent, name, v, digest, mine, sources, timeouts, registered)
         finally:
             self._release(target.agent_url, promise)
 
@@ -425,11 +438,19 @@ class Placer:
         mine: AdapterRecord | None,
         sources: list[Replica],
         timeouts: InstallTimeouts,
+        registered: Reference | None = None,
     ) -> None:
         rid = target.replica_id
         assert rid is not None
-        if mine is None:
-            peer = next((x for x in sources if x is not target), None)
+        peer = next((x for x in sources if x is not target), None)
+        if mine is None and peer is None and registered is not None:
+            # Registered by reference: the agent copies the directory, checking each file
+            # against the manifest the router read at registration.
+            install = await ReplicaInstall.registered(
+                agent, registered.manifest, registered.path, timeouts
+            )
+            canary = None
+        elif mine is None:
             if peer is None:
                 raise InstallFailed("no other replica in rotation holds its bytes")
             src = self.client(peer.agent_url)

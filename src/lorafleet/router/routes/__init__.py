@@ -2,7 +2,8 @@
 
 ``reads``: health and metrics; ``aliases``: the table, flips, version numbers,
 drains; ``leases``: publication leases; ``replicas``: membership and moves; ``copies``: the
-data-plane copies' syncs, pins and status. Each group's
+data-plane copies' syncs, pins and status; ``registrations``: adapters registered by
+reference. Each group's
 ``routes(ctx)`` takes one ``RouteContext``: the router and the dependencies its routes use.
 """
 
@@ -18,6 +19,7 @@ from lorafleet.errors import UnknownReplica
 from lorafleet.protocol.router import ReplicaStatus
 from lorafleet.router.copies import Copies
 from lorafleet.router.placement import Placer
+from lorafleet.router.sources import Sources
 from lorafleet.router.table import AliasStore
 
 __all__ = ["RouteContext", "RouterState", "replica_status"]
@@ -32,6 +34,7 @@ class RouterState(Protocol):
     poller: HealthPoller | None
     copies: Copies
     placer: Placer
+    sources: Sources
 
     def prune_metrics(self) -> None: ...
     def membership_changed(self) -> None: ...
