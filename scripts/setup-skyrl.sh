@@ -9,7 +9,11 @@ set -euo pipefail
 SKYRL_VERSION=0.4.0
 VENV="${LORAFLEET_SKYRL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/lorafleet/venv-skyrl-$SKYRL_VERSION}"
 STAMP="$VENV/.lorafleet-ready"
-DEPS=(aiohttp orjson numpy pybase64 pydantic cloudpathlib rich loguru)
+# The Tinker server's ExternalInferenceClient (skyrl.tinker.extra) adds httpx, SQLModel, FastAPI
+# and the tinker SDK (its protobuf types); transformers is pinned to SkyRL's own range.
+DEPS=(aiohttp orjson numpy pybase64 pydantic cloudpathlib rich loguru
+  httpx sqlmodel "sqlalchemy[asyncio]" fastapi psutil zstandard "tinker>=0.25,<0.26"
+  "transformers>=5.6.1,<=5.16.1")
 # The stamp holds a digest of the recipe, so a changed dependency list rebuilds the venv.
 RECIPE="$(printf '%s\n' "$SKYRL_VERSION" "${DEPS[@]}" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ]; then

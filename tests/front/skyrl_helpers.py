@@ -52,8 +52,11 @@ def skyrl_venv() -> Path:
     return path
 
 
-def run_driver(venv: Path, stand_in_dir: Path, plan: dict, work: Path) -> dict:
-    """Run SkyRL's own client (tests/front/skyrl_driver.py) on ``plan``; its JSON record."""
+def run_driver(
+    venv: Path, stand_in_dir: Path, plan: dict, work: Path, driver: Path = DRIVER
+) -> dict:
+    """Run SkyRL's own client code through ``driver`` (default tests/front/skyrl_driver.py) on
+    ``plan``; its JSON record."""
     torch_dir = stand_in_dir / "torch"
     torch_dir.mkdir(parents=True, exist_ok=True)
     (torch_dir / "__init__.py").write_text(TORCH_STAND_IN)
@@ -62,7 +65,7 @@ def run_driver(venv: Path, stand_in_dir: Path, plan: dict, work: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONPATH"] = str(stand_in_dir)
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), str(DRIVER), str(plan_file), str(out_file)],
+        [str(venv / "bin" / "python"), str(driver), str(plan_file), str(out_file)],
         env=env,
         capture_output=True,
         text=True,
