@@ -23,7 +23,11 @@ def routes(ctx: RouteContext) -> APIRouter:
         "/v1/control/registrations",
         dependencies=ctx.ctl,
         response_model=RegisterResult,
-        responses=errors(*ctx.guarded, 409, 413, 422),
+        status_code=201,
+        responses={
+            200: {"model": RegisterResult, "description": "The newest version has these bytes"},
+            **errors(*ctx.guarded, 409, 413, 422),
+        },
     )
     async def register(req: RegisterRequest, response: Response) -> RegisterResult:
         """Register a PEFT directory as ``name``'s next version without loading it anywhere:
