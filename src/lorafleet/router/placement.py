@@ -214,6 +214,17 @@ class Placer:
             promised.extend(mine)
             return RoomResult(replica_id=rid, free=free - need, evicted=evicted), mine
 
+    async def _has_free_slot(self, r: Replica, held: list[AdapterRecord]) -> bool:
+        """Whether ``r``'s engine has a slot no version and no promised load takes."""
+        try:
+            cap = await self._cap(r.agent_url, self.client(r.agent_url))
+        except (LorafleetError, TimeoutError):
+            return False
+        if cap is None:
+            return True
+        loaded = sum(1 for rec in held if rec.state in _HELD)
+        return loaded + len(self._promised.get(r.agent_url, [])) < cap
+
     async def _cap(self, agent_url: str, agent: AsyncAgentClient) -> int | None:
         """The engine's adapter slots, as its agent reports them (asked once a minute)."""
         got = self._caps.get(agent_url)
@@ -356,9 +367,11 @@ class Placer:
             return_exceptions=True,
         )
         has: dict[str, AdapterRecord] = {}
+        free_slots: dict[str, bool] = {}
         for x, got in zip(ranked, listings, strict=True):
             if isinstance(got, BaseException):
                 continue
+            free_slots[x.replica_id] = await self._has_free_slot(x, got)  # type: ignore[index]
             for rec in got:
                 if (rec.name, rec.version, rec.digest) == (name, v, ref.digest) and (
                     rec.state in _HAS_BYTES
@@ -375,8 +388,19 @@ class Placer:
         free = [x for x in ranked if x.replica_id not in ref.replicas]
         if not free:
             return WarmResult(name=name, version=v, replicas=list(ref.replicas))
-        own = [x for x in free if x.replica_id in has][:1]
-        order = own + [x for x in free if x not in own][: RANKED - len(own)]
+        # Among the best-ranked few (the hash keeps a name's replicas stable as the fleet
+        # changes): one that needs no eviction first, then one that needs no copy, then the
+        # least busy, then the hash's order.
+        top = free[:RANKED]
+        order = sorted(
+            top,
+            key=lambda x: (
+                not free_slots.get(x.replica_id, False),  # type: ignore[arg-type]
+                x.replica_id not in has,
+                x.inflight,
+                top.index(x),
+            ),
+        )
         why: list[str] = []
         for target in order:
             try:
