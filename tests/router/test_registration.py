@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from lorafleet.launch import Launcher
+from lorafleet.publisher import Publisher
 from lorafleet.testing import (
     make_peft_adapter,
     start_dataplane,
@@ -263,3 +264,39 @@ def test_a_bad_registration_is_refused_and_writes_nothing(
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
     assert fleet.aliases() == before
+
+
+def test_an_idle_on_demand_version_shrinks_back_to_zero(
+    make_fleet, made, expected, tmp_path, tmp_path_factory
+):
+    """With ``--shrink-after 1``: a watched name loaded by a request is evicted again once idle
+    (cold: its next request loads it again, from the agent's kept files); a published name's
+    replicas are the publication's, never shrunk."""
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    with Launcher(tmp_path / "logs") as launcher:
+        fleet = make_fleet(launcher, 2, max_loras=SLOTS, shared=tmp_path, router=False)
+        fleet.router = fleet.start_router(
+            state_dir=tmp_path_factory.mktemp("shrink-router"),
+            extra=("--watch-dir", str(watch), "--shrink-after", "1"),
+        )
+        with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+            pub.publish(str(made[REGISTERED[2]]), name="published")
+        _drop_into(watch, made[WATCHED[1]], "on-demand")
+        r = _complete(fleet.router.url, "on-demand")
+        assert r.status_code == 200, r.text
+
+        def holders(name: str) -> list[str]:
+            return fleet.aliases()[name]["routable"][0]["replicas"]
+
+        assert len(holders("on-demand")) == 1
+        wait_until(lambda: holders("on-demand") == [], timeout=60, message="idle shrink")
+        metrics = httpx.get(fleet.router.url + "/metrics", timeout=10).text
+        assert "lorafleet_router_idle_shrinks_total 1.0" in metrics
+        assert len(holders("published")) == 2
+        # Its files stay on the agent: loaded again on the next request.
+        for i in range(len(fleet.agents)):
+            assert not [a for a in fleet.adapters(i, "on-demand") if a["state"] != "staged"]
+        r = _complete(fleet.router.url, "on-demand")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[WATCHED[1]]

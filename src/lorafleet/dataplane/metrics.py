@@ -117,6 +117,12 @@ class RouterMetrics:
             "Versions evicted from a replica to make room (least recently used, drained first)",
             registry=self.registry,
         )
+        self.shrinks = Counter(
+            "lorafleet_router_idle_shrinks",
+            "Replicas a version was loaded on on demand, evicted again after it stayed idle for "
+            "--shrink-after seconds",
+            registry=self.registry,
+        )
         self.holders = Gauge(
             "lorafleet_router_version_replicas",
             "Replicas holding each routable version (0: cold, loaded on the next request)",

@@ -85,6 +85,7 @@ class RouterApp:
             self.copies,
             self.metrics,
             token=config.agent_token,
+            shrink_after_s=config.shrink_after_s,
             on_change=self.prune_metrics,
         )
         self.sources = Sources(
@@ -132,6 +133,7 @@ class RouterApp:
         await self.poller.poll_once()
         self.poller.start()
         self.sources.start()
+        self.placer.start()
         if self.config.catch_up_interval_s > 0:
             self.catch_up = CatchUp(
                 self.store,

@@ -45,6 +45,14 @@ class RouterConfig(DataPlaneSettings):
         help="Seconds a session (X-Session-ID) may stay idle before its next request starts "
         "fresh, on the newest version (a lost finish_session does not pin it for good).",
     )
+    shrink_after_s: float = setting(
+        300.0,
+        flag="--shrink-after",
+        type=click.FloatRange(min=0),
+        help="Seconds a version loaded on a replica on demand (cold, or for a queue that grew) "
+        "may stay unasked-for before it is evicted there again (drained first); 0 keeps it "
+        "until its slot is needed. Replicas a publication chose are never shrunk.",
+    )
     watch_dirs: list[str] = setting(
         flag="--watch-dir",
         multiple=True,

@@ -92,6 +92,7 @@ class Placer:
         drain_s: float = 30.0,
         promise_s: float = 300.0,
         grace_s: float = 5.0,
+        shrink_after_s: float = 0.0,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
@@ -104,6 +105,11 @@ class Placer:
         self.drain_s = drain_s
         self.promise_s = promise_s
         self.grace_s = grace_s
+        self.shrink_after_s = shrink_after_s
+        self._on_demand: dict[tuple[str, int], set[str]] = {}
+        """(name, version) -> the replicas it was loaded on on demand (cold or grown): what an
+        idle version gives back (``shrink``). Replicas a publication chose are never shrunk."""
+        self._shrinker: asyncio.Task | None = None
         self._promised: dict[str, list[_Promise]] = {}
         self._caps: dict[str, tuple[int | None, float]] = {}
         self.on_change = on_change
@@ -120,7 +126,17 @@ class Placer:
             self._http = async_client(timeout=httpx.Timeout(self.call_timeout_s, connect=3.0))
         return AsyncAgentClient(url, self.token, client=self._http)
 
+    def start(self) -> None:
+        """Start the idle shrink (every few seconds) when ``shrink_after_s`` is set."""
+        if self.shrink_after_s > 0 and self._shrinker is None:
+            self._shrinker = asyncio.create_task(self._shrink_loop(), name="shrink")
+
     async def stop(self) -> None:
+        if self._shrinker is not None:
+            self._shrinker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._shrinker
+            self._shrinker = None
         for t in list(self._warming.values()):
             t.cancel()
         for t in list(self._warming.values()):
@@ -166,9 +182,62 @@ class Placer:
     def prune(self) -> None:
         """Forget the use of versions no longer routable (run at every alias change)."""
         live = {(n, v.version) for n, e in self.store.aliases.items() for v in e.window()}
-        for uses in (self.balancer.last_used, self.copies.used, self._placed_at):
+        for uses in (self.balancer.last_used, self.copies.used, self._placed_at, self._on_demand):
             for key in [k for k in uses if k not in live]:
                 del uses[key]
+
+    # -- idle shrink ----------------------------------------------------------------------------
+
+    async def _shrink_loop(self) -> None:
+        tick = max(0.2, min(5.0, self.shrink_after_s / 4))
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await self.shrink()
+            except Exception:  # tried again at the next tick
+                log.exception("idle shrink failed")
+
+    async def shrink(self) -> list[str]:
+        """Evict the replicas versions were loaded on on demand, for every version nobody asked
+        for in ``shrink_after_s`` (here or on any copy): an on-demand adapter left idle goes
+        back to zero replicas, a grown one to those its publication chose. Each eviction drains
+        first, as any. The ``(replica, engine name)`` pairs evicted."""
+        done: list[str] = []
+        now = time.monotonic()
+        by_id = {x.replica_id: x for x in self.balancer.replicas if x.replica_id}
+        for key, rids in list(self._on_demand.items()):
+            name, v = key
+            if key in self._warming or now - self.last_use(name, v) < self.shrink_after_s:
+                continue
+            for rid in sorted(rids):
+                r = by_id.get(rid)
+                if r is None or not await self._shrink_one(r, name, v):
+                    rids.discard(rid)
+                    continue
+                rids.discard(rid)
+                self.metrics.shrinks.inc()
+                done.append(f"{rid} {engine_name(name, v)}")
+            if not rids:
+                self._on_demand.pop(key, None)
+        return done
+
+    async def _shrink_one(self, r: Replica, name: str, v: int) -> bool:
+        async with self._rooms.setdefault(r.agent_url, asyncio.Lock()):
+            agent = self.client(r.agent_url)
+            try:
+                records = await asyncio.wait_for(agent.list_adapters(), self.call_timeout_s)
+            except (LorafleetError, TimeoutError):
+                return False
+            rec = next(
+                (x for x in records if (x.name, x.version) == (name, v) and x.state in _HELD),
+                None,
+            )
+            if rec is None or not self._evictable(r.replica_id or r.agent_url, rec):
+                return False
+            if not await self._evict(r, rec):
+                return False
+        log.info("%s v%d idle for %gs: evicted from %s", name, v, self.shrink_after_s, r.replica_id)
+        return True
 
     async def _room(
         self, r: Replica, need: int, keep: frozenset[str]
@@ -295,8 +364,9 @@ class Placer:
             log.warning("evicting %s v%d from %s failed: %s", name, version, rid, exc)
             self._relist(rid, rec, listed)
             return False
+        self._on_demand.get(key, set()).discard(rid)
         self.metrics.evictions.inc()
-        log.info("evicted %s v%d from %s (least recently used)", name, version, rid)
+        log.info("evicted %s v%d from %s", name, version, rid)
         return True
 
     def _relist(self, rid: str, rec: AdapterRecord, listed: bool) -> None:
@@ -497,6 +567,7 @@ class Placer:
         if not self.store.add_holder(name, v, digest, rid, rec.canary):
             raise InstallFailed(f"v{v} is no longer routable with digest {digest[:12]}")
         self._placed_at[(name, v)] = time.monotonic()
+        self._on_demand.setdefault((name, v), set()).add(rid)
         self._changed()
         await self.copies.wait_acked(self.copies.seq)
         log.info("loaded %s v%d on %s on demand", name, v, rid)
