@@ -11,6 +11,7 @@ from lorafleet.engine.cli import command as engine_command
 from lorafleet.fleet.cli import demo_command, status_command, up_command
 from lorafleet.front.cli import command as front_command
 from lorafleet.publisher.cli import command as publish_command
+from lorafleet.publisher.cli import register_command
 from lorafleet.router.cli import command as router_command
 
 
@@ -38,6 +39,7 @@ for _cmd in (
     inspect_command,
     engine_command,
     publish_command,
+    register_command,
     router_command,
     dataplane_command,
     front_command,

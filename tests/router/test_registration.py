@@ -300,3 +300,21 @@ def test_an_idle_on_demand_version_shrinks_back_to_zero(
         r = _complete(fleet.router.url, "on-demand")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected[WATCHED[1]]
+
+
+def test_the_register_command(fleet, dirs, made):
+    from click.testing import CliRunner
+
+    from lorafleet.cli import main
+
+    path = dirs["src"] / "by-cli"
+    shutil.copytree(made[REGISTERED[3]], path)
+    args = ["register", str(path), "--name", "by-cli", "--router", fleet.router.url]
+    got = CliRunner().invoke(main, [*args, "--token", fleet.token])
+    assert got.exit_code == 0, got.output
+    assert got.output.startswith("by-cli v1 registered"), got.output
+    assert fleet.aliases()["by-cli"]["routable"][0]["replicas"] == []
+    again = CliRunner().invoke(main, [*args, "--token", fleet.token])
+    assert "already registered" in again.output, again.output
+    refused = CliRunner().invoke(main, [*args, "--token", "wrong"])
+    assert refused.exit_code != 0 and "token" in refused.output.lower(), refused.output

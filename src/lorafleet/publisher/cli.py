@@ -290,3 +290,56 @@ class MinReplicas(click.ParamType):
             return parse_min_replicas(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+@click.command("register")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--name",
+    required=True,
+    callback=_name,
+    help="Adapter name clients ask for (model=<name>).",
+)
+@click.option("--fleet", "fleet_dir", default=None, help="Fleet directory (default .lorafleet).")
+@click.option("--router", default=None, help="Router URL (instead of --fleet).")
+@click.option(
+    "--token",
+    default=lambda: os.environ.get("LORAFLEET_CONTROL_TOKEN"),
+    help="Control token (env LORAFLEET_CONTROL_TOKEN).",
+)
+@click.option(
+    "--keep-versions", type=click.IntRange(1, 64), default=2, show_default=True,
+    help="Retention window of the name's registered versions.",
+)  # fmt: skip
+def register_command(
+    path: str,
+    name: str,
+    fleet_dir: str | None,
+    router: str | None,
+    token: str | None,
+    keep_versions: int,
+) -> None:
+    """Register the PEFT directory PATH by reference: the router reads it once (manifest and
+    digest), and a replica copies and verifies it only when a request asks for NAME
+    (docs/placement.md). PATH must be under the router's --source-allow (or --watch-dir) and
+    readable by the agents (--shared-fs-allow)."""
+    import asyncio
+
+    from lorafleet.clients.router import AsyncRouterClient
+    from lorafleet.errors import LorafleetError
+
+    if router is None:
+        _, router, token = _targets(fleet_dir, None, None, token)
+    if router is None:
+        raise click.UsageError("registration needs a router (--router, or a fleet with one)")
+
+    async def run():
+        async with AsyncRouterClient(router, token) as client:
+            return await client.register(name, str(Path(path).resolve()), keep_versions)
+
+    try:
+        got = asyncio.run(run())
+    except LorafleetError as exc:
+        raise click.ClickException(str(exc)) from exc
+    what = "registered" if got.created else "already registered (same bytes)"
+    click.echo(f"{got.name} v{got.version} {what}: {got.size} bytes, digest {got.digest[:12]}")
