@@ -127,8 +127,9 @@ def _publish_large_cutting_replica_1(fleet, small, large, cut, **publisher_kwarg
 def test_a_relaying_agent_killed_mid_stream_and_restarted(
     launcher, make_fleet, small, large, tiny_model
 ):
-    """Replica 2's copy stops at a durable prefix and is resumed from the Publisher; replica 1
-    comes back (as a supervisor would restart it) and gets a fresh session, direct."""
+    """Replica 2's copy stops at a durable prefix and is resumed from replica 0's verified
+    copy; replica 1 comes back (as a supervisor would restart it) and gets a fresh session, fed
+    by a replica too: the trainer's link carries exactly one copy."""
     fleet = make_fleet(launcher, 3)
 
     def kill_and_restart(proc) -> None:
@@ -139,9 +140,11 @@ def test_a_relaying_agent_killed_mid_stream_and_restarted(
     size = AdapterBundle.from_dir(large, name="x").total_size
     assert res.version == 2
     assert res.replicas[_id(fleet.agents[0])].bytes_sent == size
-    # Replica 1 was re-sent everything it lost, replica 2 at most what it lacked.
-    assert res.replicas[_id(fleet.agents[1])].bytes_sent > 0
-    assert 0 < res.replicas[_id(fleet.agents[2])].bytes_sent <= size
+    # Nothing more left the trainer: replicas 1 and 2 got the rest from a peer.
+    assert res.bytes_sent == size
+    for i in (1, 2):
+        assert res.replicas[_id(fleet.agents[i])].bytes_sent == 0
+        assert res.replicas[_id(fleet.agents[i])].bytes_relayed > 0
     _serves(fleet, tiny_model, large, 2)
     assert fleet.staging_bytes() == [0, 0, 0]
 
@@ -164,7 +167,8 @@ def test_a_stalled_relaying_agent_is_dropped_and_resumed(
     launcher, make_fleet, small, large, tiny_model
 ):
     """SIGSTOP replica 1 past the stall limit: replica 0 drops it and finishes, replica 2's
-    copy is cut off and resumed; once replica 1 runs again, it is resumed too."""
+    copy is cut off and resumed from replica 0; once replica 1 runs again, it is resumed too,
+    and nothing but the first copy left the trainer."""
     fleet = make_fleet(launcher, 3)
 
     def stall(proc) -> None:
@@ -178,6 +182,7 @@ def test_a_stalled_relaying_agent_is_dropped_and_resumed(
 
     res = _publish_large_cutting_replica_1(fleet, small, large, stall)
     assert res.version == 2
+    assert res.bytes_sent == AdapterBundle.from_dir(large, name="x").total_size
     assert all(t.state.value == "active" for t in res.replicas.values())
     _serves(fleet, tiny_model, large, 2)
     assert fleet.staging_bytes() == [0, 0, 0]

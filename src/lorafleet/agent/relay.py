@@ -207,14 +207,17 @@ async def send_file(
     credential: str,
     stall_s: float,
     chunk: int = 1 << 20,
+    offset: int = 0,
 ) -> tuple[RelayHop, int]:
     """Catch-up: PUT one stored file to a peer's session, as a relay hop would (the same
-    headers and credential; the peer verifies size and sha-256). Returns (hop, bytes sent)."""
+    headers and credential; the peer verifies size and sha-256), from ``offset`` (the peer's
+    durable prefix). Returns (hop, bytes sent)."""
     sent = 0
 
     async def body() -> AsyncIterator[bytes]:
         nonlocal sent
         with open(src, "rb") as f:
+            f.seek(offset)
             while data := await asyncio.to_thread(f.read, chunk):
                 sent += len(data)
                 yield data
@@ -227,9 +230,9 @@ async def send_file(
 
     headers = {
         **bearer(credential),
-        UPLOAD_OFFSET_HEADER: "0",
+        UPLOAD_OFFSET_HEADER: str(offset),
         REPR_DIGEST_HEADER: repr_digest(entry.sha256),
-        "Content-Length": str(entry.size),
+        "Content-Length": str(entry.size - offset),
         "Content-Type": "application/octet-stream",
     }
     timeout = httpx.Timeout(

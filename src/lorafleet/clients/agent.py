@@ -32,6 +32,7 @@ from lorafleet.protocol.agent import (
     AdapterList,
     AdapterRecord,
     AgentInfo,
+    BlobSendRequest,
     FileProgress,
     ForwardPlan,
     Health,
@@ -263,6 +264,17 @@ class AsyncAgentClient:
         resp = await self._request(
             "POST",
             "/v1/adapters/send",
+            json=req.model_dump(mode="json"),
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+        )
+        return SendResult.model_validate(resp.json())
+
+    async def send_blob(self, req: BlobSendRequest, timeout_s: float) -> SendResult:
+        """Have this agent PUT one verified file it holds into a peer's relay session, from
+        the peer's durable offset (a relay hop's subtree re-parented here)."""
+        resp = await self._request(
+            "POST",
+            "/v1/blobs/send",
             json=req.model_dump(mode="json"),
             timeout=httpx.Timeout(timeout_s, connect=5.0),
         )

@@ -73,6 +73,7 @@ __all__ = [
     "AdapterState",
     "AgentInfo",
     "Application",
+    "BlobSendRequest",
     "EngineCapabilities",
     "EngineKind",
     "FileEntry",
@@ -261,6 +262,19 @@ class SendRequest(_Model):
     """Presented to the target; its session was opened with this credential's sha-256."""
     paths: list[str] | None = Field(default=None, max_length=4096)
     """The files the target lacks (None: every file of the manifest)."""
+    stall_s: float = Field(10.0, gt=0, le=600)
+
+
+class BlobSendRequest(_Model):
+    """Send one verified file this agent holds (by sha-256) into a peer's upload session, from
+    ``offset`` (the peer's durable prefix): how a dead relay hop's subtree is fed by a live
+    replica instead of the trainer."""
+
+    entry: FileEntry
+    target: ForwardTarget
+    credential: str = Field(min_length=16, max_length=256, pattern=r"^[A-Za-z0-9_-]+$")
+    """Presented to the target; its session was opened with this credential's sha-256."""
+    offset: int = Field(default=0, ge=0)
     stall_s: float = Field(10.0, gt=0, le=600)
 
 

@@ -12,8 +12,12 @@ What can go wrong, and what then happens:
 - a hop refuses its copy's bytes (``size_mismatch``, ``digest_mismatch``, ``size_exceeded``):
   that replica fails like a failed direct upload, and the publication rolls back;
 - a hop dies, stalls or loses its connection: the copies downstream of it stop at a durable
-  prefix; the Publisher resumes each of them itself from that prefix (and re-opens a session on
-  an agent that restarted), so the publication goes on. A replica still unreachable fails.
+  prefix; its subtree is re-parented onto the replicas that have a verified copy, each of which
+  sends the rest from that prefix (``/v1/blobs/send``; spread over them, least used first), so
+  the trainer's link carries nothing more. Only when no replica has the file (the root died
+  before finishing it) does the Publisher send it again, once, and the others are then fed
+  from that copy. An agent that restarted gets a new session, fed the same way. A replica still
+  unreachable fails.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from lorafleet.errors import (
     error_for,
 )
 from lorafleet.protocol.agent import (
+    BlobSendRequest,
     FileProgress,
     ForwardPlan,
     ForwardTarget,
@@ -79,7 +84,11 @@ class Relay:
         self.failed: dict[str, BaseException] = {}
         """Replica id -> why its copy could not be completed."""
         self._direct: set[str] = set()
-        """Replicas whose session was re-opened without relay: later files go to them direct."""
+        """Replicas whose session was re-opened: later files go to them outside the trees."""
+        self._done: dict[str, list[ReplicaTxn]] = {}
+        """File path -> the replicas holding a verified copy of it (donors for repairs)."""
+        self._donated: dict[str, int] = {}
+        """Replica id -> repairs it was asked to send (spread over the donors)."""
 
     async def run(self) -> dict[str, BaseException]:
         """Open every session, then move each file; returns the replicas that failed (empty:
@@ -109,9 +118,14 @@ class Relay:
         ]
 
     async def _move(self, entry: FileEntry) -> None:
-        """One file: a tree over the replicas that lack it, then repair whatever did not land."""
+        """One file: a tree over the replicas that lack it, then repair whatever did not land
+        from a replica that has it (the trainer only when none has)."""
         holders = self._holders(entry)
         direct = [r for r in self.replicas if r.id in self._direct and entry.path in r.missing]
+        # Replicas that held the file before this publication are donors from the start.
+        self._done[entry.path] = [
+            r for r in self.replicas if r.id not in self.failed and entry.path not in r.missing
+        ]
         await asyncio.gather(*(self._repair(r, entry) for r in direct))
         if not holders:
             return
@@ -155,50 +169,88 @@ class Relay:
         else:
             verdicts[root.upload_id or ""] = prog
             verdicts.update((hop.upload_id, hop) for hop in prog.relayed)
-        await asyncio.gather(
-            *(self._settle(r, entry, verdicts.get(r.upload_id or "")) for r in holders)
-        )
-
-    async def _settle(
-        self, rep: ReplicaTxn, entry: FileEntry, verdict: RelayHop | FileProgress | None
-    ) -> None:
-        """Make sure ``rep`` ends with a verified copy of ``entry``, or record why it cannot."""
-        if isinstance(verdict, FileProgress) and verdict.complete:
-            return
-        if isinstance(verdict, RelayHop):
-            if verdict.ok:
-                rep.timing.bytes_relayed += entry.size
-                return
-            if verdict.code in _INTEGRITY:
-                self.failed[rep.id] = _refusal(verdict.code, verdict.detail)
-                return
-        await self._repair(rep, entry)
+        pending = []
+        for r in holders:
+            verdict = verdicts.get(r.upload_id or "")
+            if isinstance(verdict, FileProgress) and verdict.complete:
+                self._done[entry.path].append(r)
+            elif isinstance(verdict, RelayHop) and verdict.ok:
+                r.timing.bytes_relayed += entry.size
+                self._done[entry.path].append(r)
+            elif isinstance(verdict, RelayHop) and verdict.code in _INTEGRITY:
+                self.failed[r.id] = _refusal(verdict.code, verdict.detail)
+            else:
+                pending.append(r)
+        # What a dead or stalled hop cut off (its subtree) is re-parented onto the replicas
+        # that have the file, each copy resumed from its durable prefix.
+        await asyncio.gather(*(self._repair(r, entry) for r in pending))
 
     async def _repair(self, rep: ReplicaTxn, entry: FileEntry) -> None:
-        """Send ``rep`` the rest of ``entry`` from the Publisher, from its durable prefix."""
+        """Give ``rep`` the rest of ``entry`` from its durable prefix: from a replica that has
+        a verified copy, or from the Publisher when none has (or none could send)."""
         files = self.plan.bundle.manifest.files
         try:
             if rep.id in self._direct:
                 if entry.path in rep.missing:
-                    await rep.send(entry, resume=True)
+                    await self._fill(rep, entry, None)
                 return
             state = await self._wait_idle(rep, entry)
             if state is None:
                 # Re-opened (the agent restarted and lost the session): from now on everything
-                # it lacks goes to it direct, the files moved before this one included.
+                # it lacks is sent to it outside the trees, the files moved before this one
+                # included.
                 self._direct.add(rep.id)
                 for f in files[: files.index(entry) + 1]:
                     if f.path in rep.missing:
-                        await rep.send(f, resume=True)
+                        await self._fill(rep, f, None)
                 return
             if state.complete:
+                self._done[entry.path].append(rep)
                 return
             if state.error_code in _INTEGRITY:
                 self.failed[rep.id] = _refusal(state.error_code, state.error)
                 return
-            await rep.send(entry, resume=True)
+            await self._fill(rep, entry, state.offset)
         except (LorafleetError, TimeoutError) as exc:
             self.failed[rep.id] = exc
+
+    async def _fill(self, rep: ReplicaTxn, entry: FileEntry, offset: int | None) -> None:
+        """Send ``rep`` ``entry`` from ``offset`` (None: ask its agent): each replica with a
+        verified copy is asked in turn, least used first; the Publisher sends only if none
+        could. Raises what the Publisher's own send raises."""
+        for donor in sorted(
+            (d for d in self._done.get(entry.path, []) if d is not rep and d.id not in self.failed),
+            key=lambda d: self._donated.get(d.id, 0),
+        ):
+            if offset is None:
+                offset = await rep.agent.client.upload_offset(rep.upload_id or "", entry.path)
+            self._donated[donor.id] = self._donated.get(donor.id, 0) + 1
+            stall = self.plan.relay_stall_s
+            req = BlobSendRequest(
+                entry=entry,
+                target=ForwardTarget(
+                    url=rep.agent.url, upload_id=rep.upload_id or "", answer_timeout_s=stall + 10
+                ),
+                credential=self.credential,
+                offset=offset,
+                stall_s=stall,
+            )
+            try:
+                got = await donor.agent.client.send_blob(req, timeout_s=stall * 4 + 30)
+            except (LorafleetError, TimeoutError) as exc:
+                log.warning("%s could not send %s to %s: %s", donor.id, entry.path, rep.id, exc)
+                continue
+            hop = got.hops[0]
+            if hop.ok:
+                rep.timing.bytes_relayed += got.bytes_sent
+                self._done[entry.path].append(rep)
+                return
+            if hop.code in _INTEGRITY:
+                raise _refusal(hop.code, hop.detail)
+            log.warning("%s could not send %s to %s: %s", donor.id, entry.path, rep.id, hop)
+            offset = None  # some of it may have landed: ask again
+        await rep.send(entry, resume=True)
+        self._done[entry.path].append(rep)
 
     async def _wait_idle(self, rep: ReplicaTxn, entry: FileEntry) -> FileProgress | None:
         """The file's state once no PUT writes it (a relayed one ends within its stall limit).
@@ -208,7 +260,7 @@ class Relay:
             try:
                 status = await rep.agent.client.upload_status(rep.upload_id or "")
             except UploadNotFound:
-                await rep.open()
+                await rep.open(self.accept)  # peers may send into the new session too
                 return None
             except TransportError:
                 # Down, perhaps restarting (a supervisor's job): ask again until the deadline.

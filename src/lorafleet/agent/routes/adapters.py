@@ -7,10 +7,12 @@ from fastapi import APIRouter
 from lorafleet._service import errors
 from lorafleet.agent.relay import send_file
 from lorafleet.agent.routes import AgentRoutes
+from lorafleet.errors import InvalidRequest, NotFound
 from lorafleet.protocol.agent import (
     ActivateRequest,
     AdapterList,
     AdapterRecord,
+    BlobSendRequest,
     LoadRequest,
     Manifest,
     RegisterPathRequest,
@@ -119,6 +121,27 @@ def routes(ctx: AgentRoutes) -> APIRouter:
             if not hop.ok:
                 break
         return SendResult(hops=hops, bytes_sent=sent)
+
+    @api.post("/v1/blobs/send", dependencies=guard, responses=errors(*ctl, 404, 413))
+    async def send_blob(req: BlobSendRequest) -> SendResult:
+        """Relay repair: PUT one verified file this agent holds (by sha-256; a file of an open
+        upload session counts once verified) into a peer's session from ``offset``, so that a
+        dead hop's subtree is fed by a live replica and not by the trainer again."""
+        entry = req.entry
+        if req.offset > entry.size:
+            raise InvalidRequest(f"offset {req.offset} is past the file's {entry.size} bytes")
+        if not rt.store.has_blob(entry.sha256, entry.size):
+            raise NotFound(f"no verified copy of {entry.path} ({entry.sha256[:12]}) here")
+        hop, sent = await send_file(
+            rt.uploads.relay_http(),
+            req.target,
+            entry,
+            str(rt.store.blob_path(entry.sha256)),
+            req.credential,
+            req.stall_s,
+            offset=req.offset,
+        )
+        return SendResult(hops=[hop], bytes_sent=sent)
 
     @api.get("/v1/adapters")
     async def list_adapters() -> AdapterList:
