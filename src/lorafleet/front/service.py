@@ -411,7 +411,8 @@ class Front:
             lora_name, path, "shared_filesystem", shown=lora_path, caller=caller
         )
 
-    def upload_key(self, caller: Caller, upload_id: str) -> str:
+    @staticmethod
+    def upload_key(caller: Caller, upload_id: str) -> str:
         """Where ``caller``'s upload ``upload_id`` is staged: each tenant has uploads of its own,
         so that one never loads, feeds or discards another's (nor learns it exists)."""
         if caller.tenant is None:
