@@ -36,6 +36,7 @@ from lorafleet.errors import (
     Unauthorized,
 )
 from lorafleet.protocol.errors import ERROR_CODE_HEADER, STATUS_BY_CODE, ErrorResponse, error_body
+from lorafleet.protocol.tenants import OPERATOR, Caller, Tenants
 
 __all__ = [
     "DEFAULT_JSON_LIMIT",
@@ -51,12 +52,15 @@ __all__ = [
     "error_response",
     "errors",
     "finish_openapi",
+    "identify_caller",
+    "inference_guard",
     "install_error_handlers",
     "read_json",
     "require_token",
     "send_error",
     "service_app",
     "streamed_ok",
+    "tenant_or_control_guard",
     "token_guard",
 ]
 
@@ -171,6 +175,43 @@ def check_token(
         )
     if verdict == "invalid":
         raise Forbidden(f"invalid {what}")
+
+
+def identify_caller(
+    authorization: str | bytes | None,
+    operator: str | None,
+    tenants: Tenants | None,
+    what: str = "control token",
+    *,
+    open_without_operator: bool = True,
+) -> Caller:
+    """Who ``authorization`` is: the operator (its token is ``operator``) or a tenant.
+
+    Without ``tenants`` this is ``check_token`` (``operator`` None: open). With them, a tenant's
+    token is that tenant; the operator's token is the operator; no token is ``Unauthorized``
+    (401) and any other token ``Forbidden`` (403). ``operator`` None with
+    ``open_without_operator``: the service is open, and a request without a tenant's token is
+    the operator's (a tenant's still scopes it); without it, a tenant's token is required.
+    Every comparison is constant-time.
+    """
+    if tenants is None:
+        check_token(authorization, operator, what)
+        return OPERATOR
+    # An empty expected token never matches (an empty bearer token is "missing").
+    verdict = check_bearer(authorization, operator or "")
+    if operator is not None and verdict == "ok":
+        return OPERATOR
+    tenant = tenants.identify(authorization)
+    if tenant is not None:
+        return Caller(tenant)
+    if operator is None and open_without_operator:
+        return OPERATOR
+    if verdict == "missing":
+        raise Unauthorized(
+            f"missing {what}: send 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    raise Forbidden(f"invalid {what}")
 
 
 def require_token(request: Request, expected: str | None, what: str = "control token") -> None:
@@ -340,13 +381,71 @@ def token_guard(
 
         return open_route
 
-    bearer = HTTPBearer(
-        scheme_name=scheme, description=f"Authorization: Bearer <{what}>", auto_error=False
-    )
+    bearer = _bearer_scheme(what, scheme)
 
     def guard(request: Request, _: object = Security(bearer)) -> None:
         require_token(request, expected, what)
 
+    return guard
+
+
+def _bearer_scheme(what: str, scheme: str) -> HTTPBearer:
+    return HTTPBearer(
+        scheme_name=scheme, description=f"Authorization: Bearer <{what}>", auto_error=False
+    )
+
+
+def inference_guard(api_key: str | None, tenants: Tenants | None) -> Callable[..., Caller]:
+    """A FastAPI dependency for the data plane's routes: the inference key is the operator's,
+    a tenant's token that tenant's (``identify_caller``); returns the ``Caller``.
+
+    Neither configured: open, the operator's, and no scheme documented. Tenants without a key:
+    a tenant's token is required (401 without).
+    """
+    if api_key is None and tenants is None:
+
+        def open_route() -> Caller:
+            return OPERATOR
+
+        return open_route
+
+    bearer = _bearer_scheme("API key", "apiKey")
+
+    def guard(request: Request, _: object = Security(bearer)) -> Caller:
+        return identify_caller(
+            request.headers.get("authorization"),
+            api_key,
+            tenants,
+            "API key",
+            open_without_operator=False,
+        )
+
+    return guard
+
+
+def tenant_or_control_guard(
+    control_token: str | None, tenants: Tenants | None
+) -> Callable[..., Caller]:
+    """A FastAPI dependency for a control route that a tenant may call too (registering a name
+    of its own): the control token is the operator's (every name), a tenant's token that
+    tenant's; returns the ``Caller``, whose ``owns(name)`` the route checks before it touches
+    ``name``. Without ``tenants`` it is ``token_guard``'s check.
+
+    Every other control route keeps ``token_guard(control_token)``: a tenant's token is refused
+    there (403), as any wrong token is. With no control token the control plane is open: a
+    request without a tenant's token is the operator's.
+    """
+    bearer = _bearer_scheme("control token", "controlToken")
+
+    def guard(request: Request, _: object = Security(bearer)) -> Caller:
+        return identify_caller(request.headers.get("authorization"), control_token, tenants)
+
+    if control_token is None and tenants is None:
+
+        def open_route(request: Request) -> Caller:
+            return OPERATOR
+
+        return open_route
     return guard
 
 

@@ -22,6 +22,7 @@ LorafleetError
 │   ├── Conflict                  409
 │   │   ├── AdapterConflict       409 adapter_conflict
 │   │   ├── NoRoom                409 no_room               (a full engine, nothing evictable)
+│   │   ├── TenantQuotaExceeded   409 tenant_quota_exceeded (a tenant's max_adapters/max_bytes)
 │   │   ├── UploadIncomplete      409 upload_incomplete
 │   │   ├── OffsetMismatch        409 offset_mismatch
 │   │   ├── StaleVersion          409 stale_version         (older than max_staleness allows)
@@ -104,6 +105,7 @@ __all__ = [
     "StaleVersion",
     "StreamInterrupted",
     "TableStale",
+    "TenantQuotaExceeded",
     "TooLarge",
     "TransferStalled",
     "TransportError",
@@ -365,6 +367,28 @@ class UnknownReplica(Conflict):
     """An alias names a replica the router does not know (no agent of its reports that id)."""
 
     code = ErrorCode.UNKNOWN_REPLICA
+
+
+class TenantQuotaExceeded(Conflict):
+    """A load would take a tenant past one of its quotas (``lorafleet.protocol.tenants``):
+    ``quota`` names which (``max_adapters``, ``max_bytes``, ``max_slots``), ``limit`` is the
+    tenant's bound and ``usage`` what it would hold. A 409, not the store's 507: retiring one of
+    the tenant's own adapters resolves it, and no disk is short."""
+
+    code = ErrorCode.TENANT_QUOTA_EXCEEDED
+
+    def __init__(self, message: str, *, quota: str, limit: int, usage: int) -> None:
+        self.quota = quota
+        self.limit = limit
+        self.usage = usage
+        super().__init__(message, param=quota)
+
+    @classmethod
+    def _from_wire(cls, message: str, **kw: Any) -> ServiceError:
+        self = super()._from_wire(message, **kw)
+        # The figures travel in the message; the quota's name in ``param``.
+        self.quota, self.limit, self.usage = kw.get("param"), None, None  # type: ignore[attr-defined]
+        return self
 
 
 # --- 413 / 422 / 5xx / 507 -------------------------------------------------------------------

@@ -29,6 +29,8 @@ def _example(cls: type) -> LorafleetError:
         return cls("explicit", code="conflict", param="version", status=409, url="http://x/y")
     if issubclass(cls, PublishError):
         return cls("publication failed", {"replica-1": "422 adapter_invalid"})
+    if issubclass(cls, errors.TenantQuotaExceeded):
+        return cls("over its byte quota", quota="max_bytes", limit=10, usage=12)
     return cls("it failed")
 
 

@@ -9,12 +9,13 @@ replica serving it. One place for them, shared by every generation shape (``shap
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from lorafleet.dataplane.balancer import Balancer
 from lorafleet.errors import InvalidRequest, NotFound, StaleVersion, VersionNotRoutable
 from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import AliasEntry, RoutableVersion
+from lorafleet.protocol.tenants import Tenant, adapter_of
 
 __all__ = ["Addressing", "Route", "TableView"]
 
@@ -88,9 +89,29 @@ class Addressing:
             return Route(model, name, ref.version, ref.engine_name, ref.replicas, None, lag)
         if model in self.balancer.base_models():
             return Route(model, None, None, None, None, model)
-        # 400 invalid_name: no adapter (or pinned version, name@vN) could ever have this name.
+        self.not_found(model)
+
+    @staticmethod
+    def not_found(model: str) -> NoReturn:
+        """What a ``model`` that names nothing is answered: 400 ``invalid_name`` when no adapter
+        (or pinned version, ``name@vN``) could ever have that name, else 404 ``not_found``."""
         check_engine_name(model, param="model")
         raise NotFound(f"The model `{model}` does not exist.", param="model")
+
+    def check_scope(self, tenant: Tenant | None, model: object) -> None:
+        """Refuse a ``model`` that is not ``tenant``'s exactly as ``resolve`` refuses a name that
+        does not exist (``not_found``), whether it exists or not. Runs where a request's names
+        are first seen, before anything (``admit``: a copy's gate, an on-demand load) acts on
+        them. The operator (None) may name anything; a tenant its own names and the base models.
+        """
+        if tenant is None or not isinstance(model, str):
+            return
+        aliases = self.table.aliases
+        # In resolve's order: an alias shadows a base model of the same name.
+        if model not in aliases and model in self.balancer.base_models():
+            return
+        if not tenant.owns(adapter_of(model)):
+            self.not_found(model)
 
     def _session_version(self, entry: AliasEntry, session: str) -> RoutableVersion:
         """The version ``session`` started on (pinned now if it is new)."""

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 
-from fastapi import Depends, FastAPI, Response
+from fastapi import FastAPI, Response
 from prometheus_client import generate_latest
 from pydantic import BaseModel
 
@@ -23,9 +23,9 @@ from lorafleet._service import (
     JsonBodyLimit,
     MetricsResponse,
     finish_openapi,
+    inference_guard,
     install_error_handlers,
     service_app,
-    token_guard,
 )
 from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.dataplane import openapi, routes
@@ -98,6 +98,7 @@ class CopyApp:
             self.balancer,
             self.metrics,
             api_key=config.api_key,
+            tenants=config.tenants,
             upstream_keepalive_s=config.upstream_keepalive_s,
             gate=self.syncer,
             warmer=self.syncer,
@@ -179,8 +180,9 @@ class CopyApp:
         app = service_app("lorafleet data plane", lifespan=self.lifespan)
         install_error_handlers(app)
         app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
-        inference = [Depends(token_guard(cfg.api_key, what="API key", scheme="apiKey"))]
-        keyed = (401, 403) if cfg.api_key is not None else ()
+        guard = inference_guard(cfg.api_key, cfg.tenants)
+        keyed_on = cfg.api_key is not None or cfg.tenants is not None
+        keyed = (401, 403) if keyed_on else ()
 
         @app.get("/health", response_model=CopyHealth)
         async def health() -> CopyHealth:
@@ -195,10 +197,8 @@ class CopyApp:
             self.metrics.sessions.set(len(self.balancer.sessions))
             return MetricsResponse(generate_latest(self.metrics.registry))
 
-        app.include_router(routes.routes(self.plane, inference, keyed))
-        finish_openapi(
-            app, lambda schema: openapi.document(schema, SHAPES, keyed=cfg.api_key is not None)
-        )
+        app.include_router(routes.routes(self.plane, guard, keyed))
+        finish_openapi(app, lambda schema: openapi.document(schema, SHAPES, keyed=keyed_on))
         return app
 
 

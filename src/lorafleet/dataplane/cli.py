@@ -25,7 +25,9 @@ from lorafleet.launch.listen import (
     listen_address,
     listen_options,
     serve,
+    tenants_option,
 )
+from lorafleet.protocol.tenants import Tenants
 
 __all__ = ["command"]
 
@@ -35,6 +37,10 @@ __all__ = ["command"]
 @listen_options(8300)
 @control_token_option("The control plane's token (env LORAFLEET_CONTROL_TOKEN).")
 @api_key_option("Inference key clients send (env LORAFLEET_API_KEY); optional.")
+@tenants_option(
+    "A tenants file (TOML, or JSON): each tenant's token may name only its own adapters; read "
+    "at start (docs/tenants.md)."
+)
 @click.option("--agent-token", default=None, help="Token to call agents (default: control token).")
 @click.option("--copy-id", default=None, help="This copy's name at the control plane.")
 @click_options(DataPlaneConfig)
@@ -46,6 +52,7 @@ def command(
     fd: int | None,
     control_token: str | None,
     api_key: str | None,
+    tenants: Tenants | None,
     agent_token: str | None,
     copy_id: str | None,
     log_level: str,
@@ -60,6 +67,7 @@ def command(
         control_token=control_token or None,
         agent_token=agent_token or control_token or None,
         api_key=api_key or None,
+        tenants=tenants,
         url=f"http://{host}:{port}",
     )
     if config.workers > 1:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import click
 
 from lorafleet._settings import setting
+from lorafleet.protocol.tenants import Tenants
 
 __all__ = ["SERVER_OPTIONS", "DataPlaneConfig", "DataPlaneSettings"]
 
@@ -86,6 +87,8 @@ class DataPlaneConfig(DataPlaneSettings):
     """Token to call the agents with (health probes); None: the control token."""
     api_key: str | None = None
     """The inference key clients send; None: open."""
+    tenants: Tenants | None = None
+    """Tenants whose tokens it accepts, each for its own names (``--tenants``)."""
     copy_id: str | None = None
     """How the control plane names this copy (default: host:port#pid)."""
     url: str | None = None

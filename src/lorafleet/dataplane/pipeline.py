@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 import orjson
 
-from lorafleet._service import check_token, send_error
+from lorafleet._service import check_token, identify_caller, send_error
 from lorafleet.dataplane.aborts import LiveRequests
 from lorafleet.dataplane.addressing import Addressing, Route, TableView
 from lorafleet.dataplane.balancer import Balancer, Replica
@@ -52,6 +52,7 @@ from lorafleet.errors import (
 )
 from lorafleet.protocol.names import is_valid_name
 from lorafleet.protocol.router import SESSION_HEADER
+from lorafleet.protocol.tenants import Tenant, Tenants
 
 __all__ = ["DATA_PLANE_ERRORS", "MAX_BODY", "Gate", "Pipeline", "Warmer"]
 
@@ -119,6 +120,7 @@ class Pipeline(Addressing):
         *,
         fresh: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
+        tenants: Tenants | None = None,
         shapes: Sequence[Shape] | None = None,
         gate: Gate | None = None,
         warmer: Warmer | None = None,
@@ -140,24 +142,38 @@ class Pipeline(Addressing):
         self._unknown: dict[str, float] = {}
         """Names the control plane found nowhere, until when (monotonic) not to ask again."""
         self._key = api_key or None
+        self.tenants = tenants
+        """With tenants, a tenant's token may name only its own adapters (``check_scope``)."""
+        self._guarded = self._key is not None or tenants is not None
 
     # --- entry ---------------------------------------------------------------------------------
 
     async def __call__(self, scope, receive, send) -> None:
         t0 = time.perf_counter()
         try:
-            if self._key is not None:
-                header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-                check_token(header, self._key, what="API key")
+            tenant = (
+                self._caller(scope) if self._key is not None or self.tenants is not None else None
+            )
             body = await self._read_body(receive)
             doc = _json_object(body)
             session = next(
                 (v.decode("latin-1") for k, v in scope["headers"] if k == _H_SESSION), None
             )
             shape = self.dispatch.shape(scope["path"], doc)
-            await shape.handle(self, Call(scope, receive, send, body, doc, session, t0))
+            await shape.handle(self, Call(scope, receive, send, body, doc, session, t0, tenant))
         except ServiceError as exc:
             await send_error(send, exc)
+
+    def _caller(self, scope) -> Tenant | None:
+        """The tenant whose token the request carries (None: the inference key's). Raises
+        ``Unauthorized`` / ``Forbidden``; with tenants and no key, a token is required."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if self.tenants is None:
+            check_token(header, self._key, what="API key")
+            return None
+        return identify_caller(
+            header, self._key, self.tenants, "API key", open_without_operator=False
+        ).tenant
 
     @staticmethod
     async def _read_body(receive) -> bytes:
@@ -383,6 +399,7 @@ class Pipeline(Addressing):
 
     async def forward(self, call: Call, shape: ForwardShape, doc: dict[str, Any]) -> None:
         """Route one OpenAI-shaped request and relay its answer (``ForwardShape``)."""
+        self.check_scope(call.tenant, doc.get("model"))
         await self.admit([doc.get("model")], call.session)
         route = self.resolve(doc.get("model"), call.session)
         cands = self.candidates(route)

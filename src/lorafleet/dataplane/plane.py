@@ -18,6 +18,7 @@ from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.dataplane.pipeline import Gate, Pipeline, Warmer
 from lorafleet.dataplane.shapes import HOT_PATHS
 from lorafleet.dataplane.upstream import client_session
+from lorafleet.protocol.tenants import Tenants
 
 __all__ = ["DataPlane"]
 
@@ -34,6 +35,7 @@ class DataPlane:
         metrics: RouterMetrics,
         *,
         api_key: str | None = None,
+        tenants: Tenants | None = None,
         upstream_keepalive_s: float = 2.0,
         gate: Gate | None = None,
         warmer: Warmer | None = None,
@@ -45,6 +47,7 @@ class DataPlane:
         self.balancer = balancer
         self.metrics = metrics
         self.api_key = api_key
+        self.tenants = tenants
         self.upstream_keepalive_s = upstream_keepalive_s
         self.gate = gate
         self.warmer = warmer
@@ -70,6 +73,7 @@ class DataPlane:
             self.pooled,
             fresh=self._fresh,
             api_key=self.api_key,
+            tenants=self.tenants,
             gate=self.gate,
             warmer=self.warmer,
             cold_wait_s=self.cold_wait_s,

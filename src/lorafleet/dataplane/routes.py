@@ -10,24 +10,28 @@
     GET  /v1/loads, /workers/{id}/v1/loads -> the requests in flight there
 
 The inference key guards them when one is configured (Miles and slime call the sglang-router
-ones from the rollout side, with the same credentials as ``/generate``).
+ones from the rollout side, with the same credentials as ``/generate``). With tenants, a tenant's
+token is accepted too: ``/v1/models`` lists only its names (and the base models), and aborting
+everything (``abort_all``) stays the operator's.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi import Path as FastAPIPath
 
 from lorafleet._service import errors
 from lorafleet.dataplane.balancer import Replica
 from lorafleet.dataplane.plane import DataPlane
-from lorafleet.errors import NotFound
+from lorafleet.errors import Forbidden, NotFound
 from lorafleet.protocol.router import MAX_REPLICA_ID
 from lorafleet.protocol.sglang import AbortRequest, WorkerInfo, WorkerList
+from lorafleet.protocol.tenants import Caller
 
 __all__ = ["routes", "worker_list"]
 
@@ -76,9 +80,11 @@ def _load(replicas: list[Replica]) -> dict[str, Any]:
     }
 
 
-def routes(plane: DataPlane, dependencies: list, keyed: tuple[int, ...]) -> APIRouter:
-    """The routes over ``plane``, guarded by ``dependencies`` (the inference key)."""
-    api = APIRouter(dependencies=dependencies)
+def routes(plane: DataPlane, guard: Callable[..., Caller], keyed: tuple[int, ...]) -> APIRouter:
+    """The routes over ``plane``, guarded by ``guard`` (``_service.inference_guard``: the
+    inference key, or a tenant's token)."""
+    who = Depends(guard)  # one call per request: the router-wide dependency's result
+    api = APIRouter(dependencies=[who])
     balancer = plane.balancer
 
     def one(replica_id: str) -> Replica:
@@ -88,12 +94,15 @@ def routes(plane: DataPlane, dependencies: list, keyed: tuple[int, ...]) -> APIR
         known = sorted(_rid(r) for r in balancer.replicas)
         raise NotFound(f"no worker {replica_id[:80]!r}: the router has {known}", param="id")
 
-    async def abort(req: AbortRequest, replicas: list[Replica] | None) -> Response:
+    async def abort(req: AbortRequest, replicas: list[Replica] | None, caller: Caller) -> Response:
+        if req.abort_all and not caller.is_operator:
+            # Every request on the replicas, other tenants' too.
+            raise Forbidden("abort_all is the operator's: a tenant aborts its own requests by rid")
         await plane.abort(req.rid, req.abort_all, replicas)
         return Response(status_code=200)
 
     @api.get("/v1/models", responses=errors(*keyed))
-    async def models() -> dict:
+    async def models(caller: Caller = who) -> dict:
         now = int(time.time())
         data = [
             {"id": m, "object": "model", "created": now, "owned_by": "lorafleet", "root": m}
@@ -102,6 +111,8 @@ def routes(plane: DataPlane, dependencies: list, keyed: tuple[int, ...]) -> APIR
         parent = data[0]["id"] if data else None
         # Aliases by their public names only: engine-side names (policy@v3) stay inside.
         for name, e in sorted(plane.table.aliases.items()):
+            if not caller.owns(name):
+                continue
             data.append(
                 {
                     "id": name,
@@ -136,23 +147,23 @@ def routes(plane: DataPlane, dependencies: list, keyed: tuple[int, ...]) -> APIR
         response_class=Response,
         responses={
             200: {"description": "Aborted (an empty body, as SGLang's)"},
-            **errors(400, 413, *keyed),
+            **errors(400, 403, 413, *keyed),
         },
     )
-    async def abort_all_replicas(req: AbortRequest) -> Response:
+    async def abort_all_replicas(req: AbortRequest, caller: Caller = who) -> Response:
         """Abort ``rid`` (or, with ``abort_all``, everything) on every replica."""
-        return await abort(req, None)
+        return await abort(req, None, caller)
 
     @api.post(
         "/workers/{replica_id}/abort_request",
         response_class=Response,
         responses={
             200: {"description": "Aborted (an empty body)"},
-            **errors(400, 404, 413, *keyed),
+            **errors(400, 403, 404, 413, *keyed),
         },
     )
-    async def abort_one(replica_id: ReplicaId, req: AbortRequest) -> Response:
-        return await abort(req, [one(replica_id)])
+    async def abort_one(replica_id: ReplicaId, req: AbortRequest, caller: Caller = who) -> Response:
+        return await abort(req, [one(replica_id)], caller)
 
     @api.get("/v1/loads", responses=errors(*keyed))
     async def loads() -> dict:

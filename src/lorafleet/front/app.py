@@ -1,7 +1,9 @@
 """The front's HTTP app: the routes of one trainer dialect over ``lorafleet.front.service.Front``.
 
-Control calls pass ``Front.check_control``; reads are open, as on the server the dialect
-impersonates. ``lorafleet.front.dialects`` holds the dialects; this module only assembles one.
+Control calls pass ``Front.check_control`` (whose ``Caller`` a route that names an adapter
+receives); reads and generation are open, as on the server the dialect impersonates, except with
+tenants (``Front.check_reader``). ``lorafleet.front.dialects`` holds the dialects; this module
+only assembles one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lorafleet.front.dialects import DIALECTS
 from lorafleet.front.dialects.skyrl import UPLOAD_PREFIX
 from lorafleet.front.forward import GENERATION_BODY_LIMIT
 from lorafleet.front.service import Front, FrontConfig
+from lorafleet.protocol.tenants import Caller
 
 __all__ = ["create_app"]
 
@@ -47,9 +50,9 @@ def create_app(cfg: FrontConfig) -> FastAPI:
     # Remote-upload PUTs stream raw bytes, capped per file by the upload path itself.
     app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT, stream_prefix=UPLOAD_PREFIX)
 
-    def control(request: Request) -> None:
+    def control(request: Request) -> Caller:
         client = request.client.host if request.client else None
-        front.check_control(request.headers.get("authorization"), client)
+        return front.check_control(request.headers.get("authorization"), client)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Up (empty)"}})
     async def health() -> Response:

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from lorafleet._settings import click_options, from_options
-from lorafleet.launch.listen import api_key_option, control_token_option, listen_options
+from lorafleet.launch.listen import (
+    api_key_option,
+    control_token_option,
+    listen_options,
+    tenants_option,
+)
+
+if TYPE_CHECKING:
+    from lorafleet.protocol.tenants import Tenants
 
 __all__ = ["command"]
 
@@ -74,6 +83,11 @@ def _help() -> str:
     help="Bearer token trainers send on control calls (env LORAFLEET_FRONT_TOKEN; default: the "
     "control token).",
 )
+@tenants_option(
+    "A tenants file (TOML, or JSON): each tenant's token is accepted as a trainer token for its "
+    "own adapter names only, within its quotas; the trainer token stays the operator's "
+    "(docs/tenants.md)."
+)
 @click.option(
     "--allow-unauthenticated-control",
     is_flag=True,
@@ -113,6 +127,7 @@ def command(
     control_token: str | None,
     api_key: str | None,
     trainer_token: str | None,
+    tenants: Tenants | None,
     allow_unauthenticated_control: bool,
     control_allow_from: str,
     dialect: str,
@@ -131,9 +146,8 @@ def command(
     urls = [u.strip() for u in agents.split(",") if u.strip()]
     if not urls:
         raise click.UsageError("--agents needs at least one URL")
-    if not (control_token or trainer_token or os.environ.get("LORAFLEET_FRONT_TOKEN")) and not (
-        allow_unauthenticated_control
-    ):
+    tokens = control_token or trainer_token or os.environ.get("LORAFLEET_FRONT_TOKEN") or tenants
+    if not tokens and not allow_unauthenticated_control:
         raise click.UsageError(
             "give --trainer-token (or --control-token), or --allow-unauthenticated-control"
         )
@@ -149,6 +163,7 @@ def command(
             fleet_token=control_token or None,
             api_key=api_key or None,
             trainer_token=trainer_token or None,
+            tenants=tenants,
             allow_unauthenticated_control=allow_unauthenticated_control,
             control_allow_from=networks,
             dialect=dialect,

@@ -26,8 +26,15 @@ from lorafleet.front.gate import Aborted
 from lorafleet.front.service import Front
 from lorafleet.protocol.errors import ERROR_CODE_HEADER
 from lorafleet.protocol.router import ADAPTER_HEADER, REPLICA_HEADER, SESSION_HEADER, VERSION_HEADER
+from lorafleet.protocol.tenants import Caller
 
-__all__ = ["GENERATION_BODY_LIMIT", "forward_gated", "forward_generation", "read_object"]
+__all__ = [
+    "GENERATION_BODY_LIMIT",
+    "caller_of",
+    "forward_gated",
+    "forward_generation",
+    "read_object",
+]
 
 GENERATION_BODY_LIMIT = 64 << 20
 # The session pins a rollout to one version; a client's request id is passed on for its logs.
@@ -39,6 +46,12 @@ _ANSWER_HEADERS = (
     ERROR_CODE_HEADER.lower(),
     "retry-after",
 )
+
+
+def caller_of(front: Front, request: Request) -> Caller:
+    """Who a generation or read comes from (``Front.check_reader``)."""
+    client = request.client.host if request.client else None
+    return front.check_reader(request.headers.get("authorization"), client)
 
 
 async def read_object(request: Request) -> dict:
@@ -59,7 +72,7 @@ async def forward_generation(
 ) -> Response:
     """Send ``body`` to the router's ``path`` (default: the request's) and relay the answer."""
     sent = body.get(model_field)
-    routed = await front.route_model(sent)
+    routed = await front.route_model(sent, caller_of(front, request))
     if routed is not None:
         body[model_field] = routed
     headers = {"content-type": "application/json"}

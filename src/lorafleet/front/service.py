@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import json
 import os
@@ -17,13 +18,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import httpx
 
 from lorafleet._http import async_client
-from lorafleet._service import check_token
+from lorafleet._service import check_token, identify_caller
 from lorafleet._settings import setting
 from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.clients.router import AsyncRouterClient
@@ -35,7 +36,9 @@ from lorafleet.errors import (
     EngineRejected,
     EngineUnavailable,
     Forbidden,
+    InvalidName,
     InvalidRequest,
+    NotFound,
     PathNotAllowed,
     PublishError,
     ServiceError,
@@ -45,7 +48,10 @@ from lorafleet.front.gate import GenerationGate
 from lorafleet.front.names import DEFAULT_PATTERN, NameMap, TrainerName
 from lorafleet.front.uploads import SkyRLUploads, UploadDirLimits
 from lorafleet.protocol.agent import AgentInfo
+from lorafleet.protocol.manifest import ALLOWED_FILES
+from lorafleet.protocol.names import check_engine_name
 from lorafleet.protocol.router import AliasEntry
+from lorafleet.protocol.tenants import OPERATOR, Caller, Tenants, adapter_of
 from lorafleet.publisher import AsyncPublisher, PublishResult
 from lorafleet.publisher.cli import MinReplicas
 
@@ -115,6 +121,9 @@ class FrontConfig:
     drain_timeout_s: float = 30.0
     """Retiring a name: how long its versions may take to finish their requests before they are
     released (a version still busy then stays loaded until the name is published again)."""
+    tenants: Tenants | None = None
+    """Tenants (``--tenants``): each one's token is a trainer token for its own names only; the
+    trainer token stays the operator's, for every name (docs/tenants.md)."""
 
 
 class Front:
@@ -162,6 +171,10 @@ class Front:
         self.uploads = (
             SkyRLUploads(cfg.upload_dir, cfg.upload_limits) if cfg.upload_dir is not None else None
         )
+        self.tenants = cfg.tenants
+        # One load at a time per tenant: its quota is judged and used in one step (here; loads
+        # through another front may still pass the check together).
+        self._tenant_locks: dict[str, asyncio.Lock] = {}
 
     async def aclose(self) -> None:
         if self.uploads is not None:
@@ -173,23 +186,59 @@ class Front:
         await self.http.aclose()
 
     # -- auth -------------------------------------------------------------------------------------
-    def check_control(self, authorization: str | None, client_host: str | None) -> None:
+    def check_control(self, authorization: str | None, client_host: str | None) -> Caller:
         """Admit a control call: a valid Bearer token, or (only when the operator allowed it) no
-        token from an allow-listed address. Raises ``Unauthorized`` / ``Forbidden``."""
+        token from an allow-listed address; returns who it is. The trainer token (and a
+        tokenless call) is the operator's; with tenants, a tenant's token is that tenant's.
+        Raises ``Unauthorized`` / ``Forbidden``."""
         if authorization or not self.cfg.allow_unauthenticated_control:
+            if self.tenants is not None:
+                return identify_caller(
+                    authorization, self.trainer_token, self.tenants, open_without_operator=False
+                )
             if self.trainer_token is None:
                 raise Forbidden(
                     "this front accepts no control token (none configured); control calls are "
                     "accepted without one, from allow-listed addresses only"
                 )
             check_token(authorization, self.trainer_token)
-            return
+            return OPERATOR
         if not self._allowed(client_host):
             raise Forbidden(
                 f"control calls without a token are accepted only from "
                 f"{', '.join(map(str, self.cfg.control_allow_from))}; {client_host} is not "
                 "allow-listed: send 'Authorization: Bearer <token>'"
             )
+        return OPERATOR
+
+    def check_reader(self, authorization: str | None, client_host: str | None) -> Caller:
+        """Who a generation or a model listing comes from. Open, the operator's, as on the
+        server a dialect impersonates; with tenants, admitted as a control call is
+        (``check_control``), since the front forwards with the operator's inference key."""
+        if self.tenants is None:
+            return OPERATOR
+        return self.check_control(authorization, client_host)
+
+    def check_owner(self, caller: Caller, lora_name: str) -> None:
+        """Refuse a control call naming an adapter ``caller`` does not own as the dialects
+        refuse an unknown adapter (``AdapterNotFound``), whether it exists or not."""
+        if caller.is_operator or self.names.is_base(lora_name):
+            return
+        if not caller.owns(self.names.parse(lora_name).name):
+            raise AdapterNotFound(f"The lora adapter '{lora_name}' cannot be found.")
+
+    async def _check_quota(self, caller: Caller, name: str, path: Path) -> None:
+        """Refuse (``TenantQuotaExceeded``) a load that would take ``caller``'s tenant past its
+        ``max_adapters`` or ``max_bytes``, from the router's table and the new bundle's size."""
+        tenant = caller.tenant
+        if tenant is None or (tenant.max_adapters is None and tenant.max_bytes is None):
+            return
+        tenant.check_quota(await self.aliases(0.0), name, _bundle_size(path))
+
+    def _tenant_lock(self, caller: Caller) -> contextlib.AbstractAsyncContextManager[object]:
+        if caller.tenant is None:
+            return contextlib.nullcontext()
+        return self._tenant_locks.setdefault(caller.tenant.id, asyncio.Lock())
 
     def _allowed(self, host: str | None) -> bool:
         if not host:
@@ -248,8 +297,9 @@ class Front:
                 return dtype if str(dtype).startswith("torch.") else f"torch.{dtype}"
         return "auto"
 
-    async def models(self) -> dict:
-        """``/v1/models`` as one vLLM server lists it: the base model, then every loaded adapter."""
+    async def models(self, caller: Caller = OPERATOR) -> dict:
+        """``/v1/models`` as one vLLM server lists it: the base model, then every loaded adapter
+        (``caller``'s own only, for a tenant)."""
         base = await self.base_model()
         now = int(time.time())
         data = [
@@ -264,6 +314,8 @@ class Front:
             }
         ]
         for name, entry in sorted((await self.aliases(0.0)).items()):
+            if not caller.owns(name):
+                continue
             for rv in entry.window():
                 if (name, rv.version) in self.retired:
                     continue
@@ -342,18 +394,35 @@ class Front:
             raise InvalidRequest(f"lora_path {lora_path!r} is not a directory", param="lora_path")
         return real
 
-    async def load(self, lora_name: str, lora_path: str) -> PublishResult:
+    async def load(
+        self, lora_name: str, lora_path: str, caller: Caller = OPERATOR
+    ) -> PublishResult:
         """Publish the adapter at ``lora_path`` to every replica (atomic, verified).
 
-        Raises ``PathNotAllowed``, ``InvalidRequest`` (unreadable adapter), ``AdapterInvalid``,
+        Raises ``AdapterNotFound`` (a name ``caller``'s tenant does not own), ``PathNotAllowed``,
+        ``InvalidRequest`` (unreadable adapter), ``TenantQuotaExceeded``, ``AdapterInvalid``,
         ``VersionConflict`` (the version is not newer than the name's active one),
         ``PublishInProgress``, ``EngineRejected`` (a replica failed; nothing changed) or
         ``EngineUnavailable``.
         """
+        self.check_owner(caller, lora_name)
         path = self._check_path(lora_path)
-        return await self._publish(lora_name, path, "shared_filesystem", shown=lora_path)
+        return await self._publish(
+            lora_name, path, "shared_filesystem", shown=lora_path, caller=caller
+        )
 
-    async def load_upload(self, lora_name: str, upload_id: str) -> PublishResult:
+    @staticmethod
+    def upload_key(caller: Caller, upload_id: str) -> str:
+        """Where ``caller``'s upload ``upload_id`` is staged: each tenant has uploads of its own,
+        so that one never loads, feeds or discards another's (nor learns it exists)."""
+        if caller.tenant is None:
+            return upload_id
+        ns = hashlib.sha256(caller.tenant.id.encode()).hexdigest()[:12]
+        return f"t{ns}-{upload_id}"
+
+    async def load_upload(
+        self, lora_name: str, upload_id: str, caller: Caller = OPERATOR
+    ) -> PublishResult:
         """Publish a remote upload (``lorafleet.front.uploads``) to every replica, then discard it.
 
         The bytes go out once, from here, and are relayed agent to agent (each copy verified).
@@ -365,18 +434,32 @@ class Front:
                 "remote upload is off on this front: start it with --upload-dir, or load by a "
                 "lora_path under its --shared-dir"
             )
+        self.check_owner(caller, lora_name)
         transfer = "relay" if len(self.cfg.agents) > 1 else "remote_upload"
+        key = self.upload_key(caller, upload_id)
         try:
-            with self.uploads.claimed(upload_id) as path:
+            with self.uploads.claimed(key) as path:
                 return await self._publish(
-                    lora_name, path, transfer, shown=f"upload {upload_id}", record=False
+                    lora_name,
+                    path,
+                    transfer,
+                    shown=f"upload {upload_id}",
+                    record=False,
+                    caller=caller,
                 )
         finally:
             # SkyRL's server removes the staged files after a load; its client DELETEs anyway.
-            self.uploads.discard(upload_id)
+            self.uploads.discard(key)
 
     async def _publish(
-        self, lora_name: str, path: Path, transfer: str, *, shown: str, record: bool = True
+        self,
+        lora_name: str,
+        path: Path,
+        transfer: str,
+        *,
+        shown: str,
+        record: bool = True,
+        caller: Caller = OPERATOR,
     ) -> PublishResult:
         if self.names.is_base(lora_name):
             raise InvalidRequest(
@@ -384,6 +467,13 @@ class Front:
                 param="lora_name",
             )
         tn = self.names.parse(lora_name)
+        async with self._tenant_lock(caller):
+            await self._check_quota(caller, tn.name, path)
+            return await self._published(lora_name, tn, path, transfer, shown, record)
+
+    async def _published(
+        self, lora_name: str, tn: TrainerName, path: Path, transfer: str, shown: str, record: bool
+    ) -> PublishResult:
         try:
             result = await self.publisher.apublish(
                 path,
@@ -413,13 +503,15 @@ class Front:
         self._aliases_at = 0.0
         return result
 
-    async def unload(self, lora_name: str) -> str:
+    async def unload(self, lora_name: str, caller: Caller = OPERATOR) -> str:
         """Retire what ``lora_name`` names. Returns what was done, in words.
 
         A version still in the router's window is refused here from now on and released by the
         agents when it leaves the window (at a later load); the newest version cannot be retired
-        (``Conflict``: the name would have nothing to serve). Unknown names: ``AdapterNotFound``.
+        (``Conflict``: the name would have nothing to serve). Unknown names, and names
+        ``caller``'s tenant does not own: ``AdapterNotFound``.
         """
+        self.check_owner(caller, lora_name)
         tn = self.names.parse(lora_name)
         entry = (await self.aliases(0.0)).get(tn.name)
         if tn.version is None:
@@ -448,17 +540,20 @@ class Front:
         self.retired.add((tn.name, tn.version))
         return f"{lora_name!r} is no longer served; replicas release it when it leaves the window"
 
-    async def retire_name(self, name: str) -> str:
+    async def retire_name(self, name: str, caller: Caller = OPERATOR) -> str:
         """Retire ``name`` whole (every version): the router refuses it at once (404, as vLLM
         refuses an unloaded adapter); each version is released on every replica once its
         requests finished (``drain_timeout_s``). Returns what was done, in words.
 
-        Raises ``AdapterNotFound`` for a name that is not published, ``PublishInProgress``
-        while a publication of it runs, ``EngineUnavailable`` when the router does not answer.
+        Raises ``AdapterNotFound`` for a name that is not published (or not ``caller``'s
+        tenant's), ``PublishInProgress`` while a publication of it runs,
+        ``EngineUnavailable`` when the router does not answer.
         """
         tn = self.names.parse(name)
-        if tn.version is not None and tn.name in await self.aliases(0.0):
-            return await self.unload(name)  # a versioned name retires that version only
+        if tn.version is not None and tn.name in await self.aliases(0.0) and caller.owns(tn.name):
+            return await self.unload(name, caller)  # a versioned name retires that version only
+        if not caller.owns(name):
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
         entry = (await self.aliases(0.0)).get(name)
         if entry is None:
             raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
@@ -586,16 +681,29 @@ class Front:
         return {"ok": True}
 
     # -- generation -------------------------------------------------------------------------------
-    async def route_model(self, model: object) -> str | None:
+    async def route_model(
+        self, model: object, caller: Caller = OPERATOR, param: str = "model"
+    ) -> str | None:
         """The router's ``model`` for a trainer's: ``trl-policy-v7`` -> ``trl-policy@v7`` when
         ``trl-policy`` is a published name; anything else unchanged. Raises ``AdapterNotFound``
-        for a version a trainer unloaded."""
+        for a version a trainer unloaded; for a tenant, a model not its own (nor the base
+        model) is answered here as the router answers a name that does not exist."""
         if not isinstance(model, str):
             return None
         if self.names.is_base(model):
             return str((await self.base_model())["id"])
+        routed = await self._routed(model, caller)
+        if not caller.is_operator:
+            final = routed or model
+            if not caller.owns(adapter_of(final)) and final != (await self.base_model())["id"]:
+                _not_found(model, param)
+        return routed
+
+    async def _routed(self, model: str, caller: Caller) -> str | None:
         tn = self.names.parse(model)
-        if tn.version is None:
+        # For a tenant only its own names count as published: another's must not change what
+        # its request becomes (nor, so, its answer).
+        if tn.version is None or not caller.owns(tn.name):
             return None
         # A name loaded a moment ago through another front is found by the second, fresher look;
         # a base model whose name merely fits the pattern costs at most one look per 0.2 s.
@@ -605,15 +713,36 @@ class Front:
             raise AdapterNotFound(f"The model `{model}` does not exist.", param="model")
         return NameMap.router_model(TrainerName(tn.name, tn.version))
 
-    async def route_lora_path(self, lora_path: object) -> object:
+    async def route_lora_path(self, lora_path: object, caller: Caller = OPERATOR) -> object:
         """SGLang's ``lora_path`` (one name, or one per prompt of a batch) for the router: each
         versioned name becomes its pin, version 0 becomes None (the base model)."""
         if isinstance(lora_path, list):
-            return [await self.route_lora_path(p) for p in lora_path]
+            return [await self.route_lora_path(p, caller) for p in lora_path]
         if self.names.is_base(lora_path):
             return None
-        routed = await self.route_model(lora_path)
+        routed = await self.route_model(lora_path, caller, param="lora_path")
         return lora_path if routed is None else routed
+
+
+def _not_found(model: str, param: str) -> NoReturn:
+    """The router's answer to a ``model`` (or SGLang ``lora_path``) that names nothing."""
+    try:
+        check_engine_name(model, param=param)
+    except InvalidName as exc:
+        if param == "lora_path":
+            exc.message = exc.message.replace("engine name", "lora_path")
+        raise
+    raise NotFound(f"The model `{model}` does not exist.", param=param)
+
+
+def _bundle_size(path: Path) -> int:
+    """The bytes a bundle of the directory ``path`` holds (its allow-listed files)."""
+    total = 0
+    for name in ALLOWED_FILES:
+        with contextlib.suppress(OSError):
+            if (path / name).is_file():
+                total += (path / name).stat().st_size
+    return total
 
 
 @contextlib.contextmanager

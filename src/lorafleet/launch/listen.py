@@ -24,6 +24,7 @@ __all__ = [
     "listen_options",
     "reserve_port",
     "serve",
+    "tenants_option",
     "url_host",
 ]
 
@@ -60,6 +61,28 @@ def control_token_option(help: str):
 def api_key_option(help: str, envvar: str = "LORAFLEET_API_KEY"):
     """``--api-key``: an inference key (never the control token)."""
     return click.option("--api-key", envvar=envvar, default=None, help=help)
+
+
+def tenants_option(help: str):
+    """``--tenants FILE``: the fleet's tenants file, read at start (``Tenants``, or None)."""
+
+    def load(ctx: click.Context, param: click.Parameter, value: str | None):
+        if value is None:
+            return None
+        from lorafleet.protocol.tenants import Tenants
+
+        try:
+            return Tenants.load(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+    return click.option(
+        "--tenants",
+        type=click.Path(dir_okay=False, exists=True),
+        default=None,
+        callback=load,
+        help=help,
+    )
 
 
 def _family(host: str) -> socket.AddressFamily:

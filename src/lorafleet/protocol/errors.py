@@ -69,6 +69,7 @@ class ErrorCode(StrEnum):
     TABLE_STALE = "table_stale", 503
     UNKNOWN_REPLICA = "unknown_replica", 409
     NO_ROOM = "no_room", 409
+    TENANT_QUOTA_EXCEEDED = "tenant_quota_exceeded", 409
     STREAM_INTERRUPTED = "stream_interrupted", 502
     TRANSFER_STALLED = "transfer_stalled", 408
     INTERNAL = "internal_error", 500

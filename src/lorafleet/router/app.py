@@ -18,6 +18,7 @@ from lorafleet._service import (
     DEFAULT_JSON_LIMIT,
     JsonBodyLimit,
     finish_openapi,
+    inference_guard,
     install_error_handlers,
     service_app,
     token_guard,
@@ -75,6 +76,7 @@ class RouterApp:
             self.balancer,
             self.metrics,
             api_key=config.api_key,
+            tenants=config.tenants,
             upstream_keepalive_s=config.upstream_keepalive_s,
             cold_wait_s=config.cold_wait_s,
             grow_at=config.grow_at,
@@ -227,19 +229,21 @@ def _build_api(router: RouterApp) -> FastAPI:
     app.add_middleware(JsonBodyLimit, limit=DEFAULT_JSON_LIMIT)
 
     ctl = [Depends(token_guard(cfg.control_token))]
-    inference = [Depends(token_guard(cfg.api_key, what="API key", scheme="apiKey"))]
+    guard = inference_guard(cfg.api_key, cfg.tenants)
+    inference = [Depends(guard)]
     # Every control route: a bad parameter or body (400), no or a wrong token (401, 403).
     guarded = (400, 401, 403)
-    # The data plane's FastAPI routes: the API key, when one is configured.
-    keyed = (401, 403) if cfg.api_key is not None else ()
+    # The data plane's FastAPI routes: the API key or a tenant's token, when configured.
+    keyed_on = cfg.api_key is not None or cfg.tenants is not None
+    keyed = (401, 403) if keyed_on else ()
 
     ctx = RouteContext(router, ctl, inference, guarded, keyed)
     for group in (reads, aliases, leases, replicas, copies, registrations):
         app.include_router(group.routes(ctx))
-    app.include_router(data_plane_routes.routes(router.plane, inference, keyed))
+    app.include_router(data_plane_routes.routes(router.plane, guard, keyed))
     finish_openapi(
         app,
-        lambda schema: data_plane_openapi.document(schema, SHAPES, keyed=cfg.api_key is not None),
+        lambda schema: data_plane_openapi.document(schema, SHAPES, keyed=keyed_on),
     )
     return app
 

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from lorafleet._settings import click_options, from_options
-from lorafleet.launch.listen import api_key_option, control_token_option, listen_options
+from lorafleet.launch.listen import (
+    api_key_option,
+    control_token_option,
+    listen_options,
+    tenants_option,
+)
+
+if TYPE_CHECKING:
+    from lorafleet.protocol.tenants import Tenants
 
 __all__ = ["command"]
 
@@ -23,6 +32,10 @@ def _router_config_options(f):
 @listen_options(8200)
 @control_token_option("Bearer token for /v1/control/* (env LORAFLEET_CONTROL_TOKEN).")
 @api_key_option("Inference key for the data plane (env LORAFLEET_API_KEY); optional.")
+@tenants_option(
+    "A tenants file (TOML, or JSON): each tenant's token may name only its own adapters on the "
+    "data plane; read at start (docs/tenants.md)."
+)
 @click.option("--agent-token", default=None, help="Token to call agents (default: control token).")
 @click.option(
     "--state-dir",
@@ -39,6 +52,7 @@ def command(
     fd: int | None,
     control_token: str | None,
     api_key: str | None,
+    tenants: Tenants | None,
     agent_token: str | None,
     state_dir: str | None,
     log_level: str,
@@ -69,6 +83,7 @@ def command(
         agents=urls,
         control_token=control_token or None,
         api_key=api_key or None,
+        tenants=tenants,
         agent_token=agent_token or control_token or None,
         state_dir=state_dir,
     )

@@ -8,6 +8,7 @@ import click
 
 from lorafleet._settings import setting
 from lorafleet.dataplane.config import DataPlaneSettings
+from lorafleet.protocol.tenants import Tenants
 
 __all__ = ["RouterConfig"]
 
@@ -20,6 +21,8 @@ class RouterConfig(DataPlaneSettings):
     agents: list[str]
     control_token: str | None = None
     api_key: str | None = None
+    tenants: Tenants | None = None
+    """Tenants whose tokens the data plane accepts, each for its own names (``--tenants``)."""
     agent_token: str | None = None
     state_dir: str | None = None
     catch_up_interval_s: float = setting(

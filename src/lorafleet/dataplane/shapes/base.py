@@ -15,6 +15,7 @@ from lorafleet.dataplane.aborts import LiveRequests
 from lorafleet.dataplane.addressing import Route, TableView
 from lorafleet.dataplane.balancer import Replica
 from lorafleet.errors import InvalidRequest
+from lorafleet.protocol.tenants import Tenant
 
 __all__ = ["Call", "ForwardShape", "HandOn", "Outcome", "Pipe", "Shape", "Upstream", "parse"]
 
@@ -46,6 +47,9 @@ class Call:
     session: str | None
     t0: float
     """When it arrived (``perf_counter``): latency is measured from here."""
+    tenant: Tenant | None = None
+    """Whose token it carried: a tenant (it may name only its own adapters), or None, the
+    operator's inference key or an open data plane."""
 
     @property
     def path(self) -> str:
@@ -70,6 +74,7 @@ class Pipe(Protocol):
     table: TableView
     live: LiveRequests
 
+    def check_scope(self, tenant: Tenant | None, model: object) -> None: ...
     async def admit(self, models: Iterable[object], session: str | None) -> None: ...
     def resolve(self, model: object, session: str | None = None) -> Route: ...
     def candidates(self, route: Route) -> list[Replica]: ...

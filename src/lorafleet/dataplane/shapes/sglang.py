@@ -16,8 +16,9 @@ its prompts, each routed on its own and answered in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from lorafleet.dataplane.addressing import Route
@@ -36,6 +37,7 @@ from lorafleet.engine_kinds import engine_kind
 from lorafleet.errors import EngineUnavailable, InvalidRequest, ServiceError
 from lorafleet.protocol.errors import error_body
 from lorafleet.protocol.generation import GenerateItem, GenerateRequest, is_native_generate
+from lorafleet.protocol.tenants import Tenant
 from lorafleet.protocol.trainer_names import NameMap, TrainerName
 
 __all__ = ["SGLangGenerate"]
@@ -74,7 +76,10 @@ class SGLangGenerate(Shape):
                 "per request",
                 param="stream",
             )
-        models = [_lora_model(item.lora_path, pipe.table.aliases) for item in items]
+        models = [_lora_model(item.lora_path, pipe.table.aliases, call.tenant) for item in items]
+        for model in models:
+            with _as_lora_path(model):
+                pipe.check_scope(call.tenant, model)
         await pipe.admit(models, call.session)
         routes = [_resolve(pipe, model, call.session) for model in models]
         cands = [pipe.candidates(route) for route in routes]
@@ -210,8 +215,16 @@ def _parse(doc: dict) -> GenerateRequest:
 
 
 def _resolve(pipe: Pipe, model: str | None, session: str | None) -> Route:
+    with _as_lora_path(model):
+        route = pipe.resolve(model, session)
+    return route
+
+
+@contextlib.contextmanager
+def _as_lora_path(model: str | None) -> Iterator[None]:
+    """A refusal of ``model`` names the field it came from, ``lora_path``."""
     try:
-        return pipe.resolve(model, session)
+        yield
     except ServiceError as exc:
         exc.param = "lora_path"
         if isinstance(exc, InvalidRequest) and model is not None:
@@ -219,13 +232,14 @@ def _resolve(pipe: Pipe, model: str | None, session: str | None) -> Route:
         raise
 
 
-def _lora_model(lora_path: str | None, aliases: dict) -> str | None:
+def _lora_model(lora_path: str | None, aliases: dict, tenant: Tenant | None = None) -> str | None:
     """``lora_path`` as the router's ``model``: the name, ``name@vN``, or ``<name>-v<N>`` of a
-    published name as its pin ``name@vN``."""
+    published name as its pin ``name@vN``. For a tenant, only its own names count as published:
+    whether another tenant's name exists must not change what its request becomes."""
     if lora_path is None or lora_path in aliases or "@v" in lora_path:
         return lora_path
     tn = _NAMES.parse(lora_path)
-    if tn.version is not None and tn.name in aliases:
+    if tn.version is not None and tn.name in aliases and (tenant is None or tenant.owns(tn.name)):
         return NameMap.router_model(TrainerName(tn.name, tn.version))
     return lora_path
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from lorafleet._service import error_parts, errors
 from lorafleet.errors import ServiceError
 from lorafleet.front.dialects.vllm import openai_generate
-from lorafleet.front.forward import forward_gated, read_object
+from lorafleet.front.forward import caller_of, forward_gated, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import (
     ContinueGenerationRequest,
@@ -38,6 +38,7 @@ from lorafleet.protocol.front import (
     SGLangLoRAUpdateOutput,
 )
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
+from lorafleet.protocol.tenants import Caller
 
 __all__ = ["SGLANG_VERSION", "aborted_generate", "routes"]
 
@@ -106,9 +107,9 @@ def routes(front: Front, control: Depends) -> APIRouter:
     for path in ("/server_info", "/get_server_info"):
         r.get(path, responses=errors(503))(server_info)
 
-    @r.get("/v1/models", responses=errors(503))
-    async def models() -> dict:
-        return await front.models()
+    @r.get("/v1/models", responses=errors(401, 403, 503))
+    async def models(request: Request) -> dict:
+        return await front.models(caller_of(front, request))
 
     @r.post("/pause_generation", dependencies=ctl, responses=errors(400, 401, 403, 413))
     async def pause_generation(req: PauseGenerationRequest) -> dict:
@@ -128,11 +129,11 @@ def routes(front: Front, control: Depends) -> APIRouter:
         "/load_lora_adapter",
         dependencies=ctl,
         response_model=SGLangLoRAUpdateOutput,
-        responses=errors(400, 401, 403, 409, 413, 422, 502, 503),
+        responses=errors(400, 401, 403, 404, 409, 413, 422, 502, 503),
     )
-    async def load(req: FrontSGLangLoadRequest) -> Response:
+    async def load(req: FrontSGLangLoadRequest, caller: Caller = control) -> Response:
         try:
-            result = await front.load(req.lora_name, req.lora_path)
+            result = await front.load(req.lora_name, req.lora_path, caller)
         except ServiceError as exc:
             return _refusal(exc)
         headers = {ADAPTER_HEADER: result.name, VERSION_HEADER: str(result.version)}
@@ -144,18 +145,19 @@ def routes(front: Front, control: Depends) -> APIRouter:
         response_model=SGLangLoRAUpdateOutput,
         responses=errors(400, 401, 403, 404, 409, 413, 503),
     )
-    async def unload(req: FrontSGLangUnloadRequest) -> Response:
+    async def unload(req: FrontSGLangUnloadRequest, caller: Caller = control) -> Response:
         try:
-            await front.unload(req.lora_name)
+            await front.unload(req.lora_name, caller)
         except ServiceError as exc:
             return _refusal(exc)
         return JSONResponse(await _update_output(front))
 
-    @r.post("/generate", responses=errors(400, 404, 409, 413, 502, 503))
+    @r.post("/generate", responses=errors(400, 401, 403, 404, 409, 413, 502, 503))
     async def generate(request: Request) -> Response:
         body = await read_object(request)
         if "lora_path" in body:
-            body["lora_path"] = await front.route_lora_path(body["lora_path"])
+            caller = caller_of(front, request)
+            body["lora_path"] = await front.route_lora_path(body["lora_path"], caller)
             if body["lora_path"] is None:
                 del body["lora_path"]
         # One prompt gets a rid, so that a pause can abort it at the router and still answer
@@ -169,7 +171,9 @@ def routes(front: Front, control: Depends) -> APIRouter:
 
     # SGLang serves OpenAI's routes too; they go to the router's, as on the vLLM dialect.
     for path in ("/v1/completions", "/v1/chat/completions"):
-        r.post(path, responses=errors(400, 404, 409, 413, 502, 503))(openai_generate(front))
+        r.post(path, responses=errors(400, 401, 403, 404, 409, 413, 502, 503))(
+            openai_generate(front)
+        )
     return r
 
 

@@ -43,6 +43,7 @@ from lorafleet.protocol.skyrl import (
     parse_upload_sha256,
     parse_upload_size,
 )
+from lorafleet.protocol.tenants import Caller
 
 __all__ = ["UPLOAD_PREFIX", "routes"]
 
@@ -100,17 +101,17 @@ def routes(front: Front, control: Depends) -> APIRouter:
         "/skyrl/v1/load_lora_adapter",
         dependencies=ctl,
         response_model=SkyRLLoadResponse,
-        **route_doc(SkyRLLoadRequest, *_CONTROL, 409, 422, 502, 503),
+        **route_doc(SkyRLLoadRequest, *_CONTROL, 404, 409, 422, 502, 503),
     )
-    async def load(request: Request) -> Response:
+    async def load(request: Request, caller: Caller = control) -> Response:
         req: SkyRLLoadRequest = _model(SkyRLLoadRequest, await read_object(request))
         if req.in_memory:
             raise InvalidRequest(IN_MEMORY_REFUSAL, param="in_memory")
         if req.upload_id is not None:
-            result = await front.load_upload(req.lora_name, _upload_id(req.upload_id))
+            result = await front.load_upload(req.lora_name, _upload_id(req.upload_id), caller)
         else:
             assert req.lora_path is not None
-            result = await front.load(req.lora_name, req.lora_path)
+            result = await front.load(req.lora_name, req.lora_path, caller)
         body = SkyRLLoadResponse(
             lora_name=req.lora_name,
             lora_int_id=result.version,
@@ -134,8 +135,10 @@ def routes(front: Front, control: Depends) -> APIRouter:
             headers=(UPLOAD_SHA256_HEADER, UPLOAD_SIZE_HEADER),
         ),
     )
-    async def upload(upload_id: UploadId, filename: FileName, request: Request) -> dict:
-        uid = _upload_id(upload_id)
+    async def upload(
+        upload_id: UploadId, filename: FileName, request: Request, caller: Caller = control
+    ) -> dict:
+        uid = front.upload_key(caller, _upload_id(upload_id))
         if front.uploads is None:
             raise Forbidden(
                 "remote upload is off on this front: start it with --upload-dir (or load by a "
@@ -151,15 +154,15 @@ def routes(front: Front, control: Depends) -> APIRouter:
         return done.model_dump()
 
     @r.delete(UPLOAD_PREFIX + "{upload_id}", dependencies=ctl, **route_doc(None, *_CONTROL))
-    async def discard(upload_id: UploadId) -> dict:
-        uid = _upload_id(upload_id)
+    async def discard(upload_id: UploadId, caller: Caller = control) -> dict:
+        uid = front.upload_key(caller, _upload_id(upload_id))
         if front.uploads is not None:
             front.uploads.discard(uid)
         return {"status": "ok"}
 
-    async def unload(request: Request) -> Response:
+    async def unload(request: Request, caller: Caller = control) -> Response:
         req: FrontUnloadRequest = _model(FrontUnloadRequest, await read_object(request))
-        done = await front.retire_name(req.lora_name)
+        done = await front.retire_name(req.lora_name, caller)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
 
     for path in ("/v1/unload_lora_adapter", "/unload_lora_adapter"):
@@ -194,7 +197,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
 
     @r.post(
         "/inference/v1/generate",
-        **route_doc(_TOKEN_IN, 413, 409, 502, 503, relayed=(400, 403, 404)),
+        **route_doc(_TOKEN_IN, 401, 413, 409, 502, 503, relayed=(400, 403, 404)),
     )
     async def generate(request: Request) -> Response:
         return await forward_generation(front, request, await read_object(request))

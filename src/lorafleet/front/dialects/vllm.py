@@ -23,10 +23,11 @@ from fastapi.responses import PlainTextResponse, Response
 from lorafleet._service import errors, streamed_ok
 from lorafleet.errors import InvalidRequest
 from lorafleet.front.dialects._openapi import route_doc
-from lorafleet.front.forward import forward_gated, read_object
+from lorafleet.front.forward import caller_of, forward_gated, read_object
 from lorafleet.front.service import Front
 from lorafleet.protocol.front import PAUSE_MODES, FrontLoadRequest, FrontUnloadRequest
 from lorafleet.protocol.router import ADAPTER_HEADER, VERSION_HEADER
+from lorafleet.protocol.tenants import Caller
 
 __all__ = ["aborted_chat", "aborted_completion", "areal_routes", "openai_generate", "routes"]
 
@@ -36,9 +37,9 @@ def routes(front: Front, control: Depends) -> APIRouter:
     r = APIRouter()
     ctl = [control]
 
-    @r.get("/v1/models", **route_doc(None, 503))
-    async def models() -> dict:
-        return await front.models()
+    @r.get("/v1/models", **route_doc(None, 401, 403, 503))
+    async def models(request: Request) -> dict:
+        return await front.models(caller_of(front, request))
 
     @r.get("/server_info", **route_doc(None, 400, 503))
     async def server_info(config_format: str = "text") -> dict:
@@ -64,8 +65,8 @@ def routes(front: Front, control: Depends) -> APIRouter:
         front.paused = False
         return {"status": "resumed"}
 
-    async def load(req: FrontLoadRequest) -> Response:
-        result = await front.load(req.lora_name, req.lora_path)
+    async def load(req: FrontLoadRequest, caller: Caller = control) -> Response:
+        result = await front.load(req.lora_name, req.lora_path, caller)
         headers = {ADAPTER_HEADER: result.name, VERSION_HEADER: str(result.version)}
         return PlainTextResponse(
             f"Success: LoRA adapter '{req.lora_name}' added successfully "
@@ -73,8 +74,8 @@ def routes(front: Front, control: Depends) -> APIRouter:
             headers=headers,
         )
 
-    async def unload(req: FrontUnloadRequest) -> Response:
-        done = await front.unload(req.lora_name)
+    async def unload(req: FrontUnloadRequest, caller: Caller = control) -> Response:
+        done = await front.unload(req.lora_name, caller)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed: {done}.")
 
     control_errors = (400, 401, 403, 404, 409, 413)
@@ -94,7 +95,7 @@ def routes(front: Front, control: Depends) -> APIRouter:
     openai_body = {"type": "object"}
     streamed = streamed_ok("The router's answer, tagged (JSON, or events when stream is true)")
     for path in ("/v1/completions", "/v1/chat/completions"):
-        doc = route_doc(openai_body, 409, 413, 502, 503, relayed=(400, 403, 404), ok=streamed)
+        doc = route_doc(openai_body, 401, 409, 413, 502, 503, relayed=(400, 403, 404), ok=streamed)
         r.post(path, **doc)(openai_generate(front))
     return r
 
