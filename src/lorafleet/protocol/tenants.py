@@ -248,6 +248,11 @@ class Tenants:
             detail = exc.message if isinstance(exc, InvalidRequest) else str(exc)
             raise InvalidRequest(f"tenants file {str(p)!r}: {detail}") from None
 
+    def owner(self, name: str) -> Tenant | None:
+        """The first tenant (in file order) whose patterns match adapter ``name``, if any: the
+        one whose quotas a name registered or placed by the operator counts against."""
+        return next((t for t in self.tenants if t.owns(name)), None)
+
     def identify(self, authorization: str | bytes | None) -> Tenant | None:
         """The tenant whose token ``authorization`` (``Bearer <token>``) carries, or None.
 

@@ -96,9 +96,11 @@ class RouterApp:
             allow=config.source_allow,
             watch=config.watch_dirs,
             state_dir=config.state_dir,
+            tenants=config.tenants,
             on_change=self.prune_metrics,
         )
         self.placer.sources = self.sources
+        self.placer.tenants = config.tenants
         self.plane.warmer = self.placer
         self.poller: HealthPoller | None = None
         self.catch_up: CatchUp | None = None

@@ -45,12 +45,14 @@ from lorafleet.errors import (
     NoRoom,
     NotFound,
     ServiceError,
+    TenantQuotaExceeded,
     VersionNotRoutable,
 )
 from lorafleet.install import InstallTimeouts, ReplicaInstall
 from lorafleet.protocol.agent import AdapterRecord, AdapterState, engine_name
 from lorafleet.protocol.placement import rendezvous
 from lorafleet.protocol.router import RoomResult, WarmResult
+from lorafleet.protocol.tenants import Tenant, Tenants
 from lorafleet.router.copies import Copies
 from lorafleet.router.sources import Reference, Sources
 from lorafleet.router.table import AliasStore
@@ -117,6 +119,8 @@ class Placer:
         self._rooms: dict[str, asyncio.Lock] = {}
         self._warming: dict[tuple[str, int], asyncio.Task] = {}
         self._placed_at: dict[tuple[str, int], float] = {}
+        self.tenants: Tenants | None = None
+        """Tenants (``--tenants``): an on-demand load keeps a tenant within its ``max_slots``."""
         self.sources: Sources | None = None
         """Registrations by reference: a cold version no replica has the bytes of is loaded
         from its registered directory."""
@@ -186,6 +190,37 @@ class Placer:
             for key in [k for k in uses if k not in live]:
                 del uses[key]
 
+    async def _within_slots(self, tenant: Tenant, name: str, v: int, more: bool) -> None:
+        """Keep ``tenant`` within ``max_slots`` when one more replica is to hold ``name`` v:
+        a cold version takes the slot of the tenant's own least recently used version (drained
+        first, as any eviction); a queue that grew gets no replica past the quota. Raises
+        ``TenantQuotaExceeded``."""
+        while True:
+            try:
+                tenant.check_quota(self.store.aliases, name, None, slots=1)
+                return
+            except TenantQuotaExceeded:
+                if more:
+                    raise
+                victims = sorted(
+                    (
+                        (self.last_use(n, x.version), n, x.version, rid)
+                        for n, e in self.store.aliases.items()
+                        if tenant.owns(n)
+                        for x in e.window()
+                        for rid in x.replicas
+                        if (n, x.version) != (name, v)
+                    ),
+                )
+                by_id = {x.replica_id: x for x in self.balancer.replicas if x.replica_id}
+                for _, n, ver, rid in victims:
+                    r = by_id.get(rid)
+                    if r is not None and await self._shrink_one(r, n, ver):
+                        self._on_demand.get((n, ver), set()).discard(rid)
+                        break
+                else:
+                    raise
+
     # -- idle shrink ----------------------------------------------------------------------------
 
     async def _shrink_loop(self) -> None:
@@ -236,7 +271,7 @@ class Placer:
                 return False
             if not await self._evict(r, rec):
                 return False
-        log.info("%s v%d idle for %gs: evicted from %s", name, v, self.shrink_after_s, r.replica_id)
+        log.info("%s v%d evicted from %s (idle, or its tenant's slots)", name, v, r.replica_id)
         return True
 
     async def _room(
@@ -411,7 +446,7 @@ class Placer:
         t0 = time.perf_counter()
         why = "more" if more else "cold"
         try:
-            got = await self._place(name, v)
+            got = await self._place(name, v, more)
         except BaseException:
             self.metrics.on_demand_loads.labels(why, "failed").inc()
             raise
@@ -420,11 +455,14 @@ class Placer:
             self.metrics.cold_start.observe(time.perf_counter() - t0)
         return got
 
-    async def _place(self, name: str, v: int) -> WarmResult:
+    async def _place(self, name: str, v: int, more: bool = False) -> WarmResult:
         entry = self.store.aliases[name]
         ref = next(x for x in entry.window() if x.version == v)
         if ref.engine_name != engine_name(name, v) or ref.digest is None:
             raise AdapterCold(f"{name!r} v{v} is placed nowhere and is not the router's to load")
+        tenant = self.tenants.owner(name) if self.tenants is not None else None
+        if tenant is not None and tenant.max_slots is not None:
+            await self._within_slots(tenant, name, v, more)
         routable = {x.replica_id: x for x in self.balancer.replicas if x.replica_id and x.routable}
         if not routable:
             raise NoReplica("no replica in rotation to load it on")

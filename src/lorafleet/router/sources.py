@@ -29,11 +29,12 @@ from pathlib import Path
 from lorafleet._atomic import atomic_write
 from lorafleet.bundle import AdapterBundle
 from lorafleet.bundle.validate import BIN, SAFETENSORS
-from lorafleet.errors import AdapterInvalid, BundleError, PathNotAllowed
+from lorafleet.errors import AdapterInvalid, BundleError, PathNotAllowed, TenantQuotaExceeded
 from lorafleet.protocol.agent import engine_name
 from lorafleet.protocol.manifest import ADAPTER_CONFIG, Manifest
 from lorafleet.protocol.names import is_valid_name
 from lorafleet.protocol.router import RegisterResult
+from lorafleet.protocol.tenants import Tenants
 from lorafleet.router.copies import Copies
 from lorafleet.router.table import AliasStore
 
@@ -66,9 +67,11 @@ class Sources:
         watch: list[str] | None = None,
         state_dir: str | os.PathLike | None = None,
         scan_interval_s: float = 2.0,
+        tenants: Tenants | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
+        self.tenants = tenants
         self.copies = copies
         self.watch = [Path(p).resolve() for p in watch or []]
         self.allow = [*self.watch, *(Path(p).resolve() for p in allow or [])]
@@ -107,7 +110,9 @@ class Sources:
     async def register(self, name: str, path: str, keep_versions: int = 2) -> RegisterResult:
         """Register the PEFT directory ``path`` as ``name``'s next version (the same bytes as
         its newest version: nothing changes). Raises ``PathNotAllowed``, ``AdapterInvalid``
-        (not a valid adapter directory), ``PublishInProgress`` (a publication holds the name)."""
+        (not a valid adapter directory), ``PublishInProgress`` (a publication holds the name),
+        ``TenantQuotaExceeded`` (the tenant whose name it is would go past its adapters or
+        bytes; nothing is registered)."""
         src = self._confined(path)
         async with self._locks.setdefault(name, asyncio.Lock()):
             bundle = await asyncio.to_thread(_read_bundle, src, name)
@@ -123,6 +128,9 @@ class Sources:
                         size=ref.manifest.total_size,
                         created=False,
                     )
+            owner = self.tenants.owner(name) if self.tenants is not None else None
+            if owner is not None:
+                owner.check_quota(self.store.aliases, name, bundle.total_size)
             v = self.store.reserve(name, HOLDER)
             manifest = bundle.with_version(v).manifest
             self.refs[(name, v)] = Reference(str(src), manifest)
@@ -159,7 +167,7 @@ class Sources:
             if _looks_complete(d):
                 try:
                     await self.register(name, str(d))
-                except (AdapterInvalid, PathNotAllowed) as exc:
+                except (AdapterInvalid, PathNotAllowed, TenantQuotaExceeded) as exc:
                     log.warning("cannot register %s from %s: %s", name, d, exc)
                     return False
                 return True
@@ -222,7 +230,7 @@ class Sources:
                 self._seen[d] = sig
                 try:
                     got = await self.register(d.name, str(d))
-                except (AdapterInvalid, PathNotAllowed) as exc:
+                except (AdapterInvalid, PathNotAllowed, TenantQuotaExceeded) as exc:
                     log.warning("not registering %s: %s", d, exc)
                     continue
                 except Exception as exc:  # held by a publication now: try again next time

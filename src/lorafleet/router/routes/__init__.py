@@ -17,6 +17,7 @@ from lorafleet.dataplane.health import HealthPoller
 from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import UnknownReplica
 from lorafleet.protocol.router import ReplicaStatus
+from lorafleet.router.config import RouterConfig
 from lorafleet.router.copies import Copies
 from lorafleet.router.placement import Placer
 from lorafleet.router.sources import Sources
@@ -35,6 +36,7 @@ class RouterState(Protocol):
     copies: Copies
     placer: Placer
     sources: Sources
+    config: RouterConfig
 
     def prune_metrics(self) -> None: ...
     def membership_changed(self) -> None: ...

@@ -3,12 +3,13 @@ version, and a name looked up in the watched directories."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Response
 
-from lorafleet._service import errors
+from lorafleet._service import errors, tenant_or_control_guard
 from lorafleet.errors import NotFound
 from lorafleet.protocol.names import AdapterName
 from lorafleet.protocol.router import AliasEntry, RegisterRequest, RegisterResult
+from lorafleet.protocol.tenants import Caller
 from lorafleet.router.routes import RouteContext
 
 __all__ = ["routes"]
@@ -19,22 +20,30 @@ def routes(ctx: RouteContext) -> APIRouter:
     api = APIRouter()
     router = ctx.router
 
+    # The one control route a tenant's token may call (for its own names).
+    guard = tenant_or_control_guard(router.config.control_token, router.config.tenants)
+
     @api.post(
         "/v1/control/registrations",
-        dependencies=ctx.ctl,
         response_model=RegisterResult,
         status_code=201,
         responses={
             200: {"model": RegisterResult, "description": "The newest version has these bytes"},
-            **errors(*ctx.guarded, 409, 413, 422),
+            **errors(*ctx.guarded, 404, 409, 413, 422),
         },
     )
-    async def register(req: RegisterRequest, response: Response) -> RegisterResult:
+    async def register(
+        req: RegisterRequest, response: Response, caller: Caller = Depends(guard)
+    ) -> RegisterResult:
         """Register a PEFT directory as ``name``'s next version without loading it anywhere:
         the router reads its manifest once; a replica copies and verifies it when a request
         places it (docs/placement.md). 201 for a new version; 200 when the name's newest
         version has these bytes already. 403 ``path_not_allowed`` outside ``--source-allow``
-        and ``--watch-dir``; 422 ``adapter_invalid``; 409 ``publish_in_progress``."""
+        and ``--watch-dir``; 422 ``adapter_invalid``; 409 ``publish_in_progress``, or
+        ``tenant_quota_exceeded``. A tenant's token (docs/tenants.md) registers only the
+        tenant's own names: any other is 404, as a name that does not exist."""
+        if not caller.owns(req.name):
+            raise NotFound(f"The model `{req.name}` does not exist.", param="name")
         got = await router.sources.register(req.name, req.path, req.keep_versions)
         response.status_code = 201 if got.created else 200
         return got
