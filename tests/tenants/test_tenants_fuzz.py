@@ -56,13 +56,27 @@ def _owned(token: str, model: str, base: str) -> bool:
 @given(
     token=TOKENS,
     names=st.lists(NAMES, min_size=1, max_size=2),
-    route=st.sampled_from([*GENERATION, "/generate-sglang", "control-put", "control-delete"]),
+    route=st.sampled_from(
+        [*GENERATION, "/generate-sglang", "control-put", "control-delete", "register"]
+    ),
 )
 def test_a_tenant_never_reaches_a_name_not_its_own(tenant_fleet, token, names, route):
     table = tenant_fleet.table()
     stores = tenant_fleet.stores()
     name = names[0]
-    if route.startswith("control-"):
+    if route == "register":
+        # The one control route a tenant may call: its own names only, and this router has
+        # no directory to register from, so nothing may ever be written.
+        r = httpx.post(
+            tenant_fleet.url + "/v1/control/registrations",
+            json={"name": name, "path": "/etc"},
+            headers=bearer(token),
+            timeout=30,
+        )
+        assert r.status_code in (400, 401, 403, 404), r.text
+        if token in OWNER and r.status_code != 400 and not _owned(token, name, ""):
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    elif route.startswith("control-"):
         url = tenant_fleet.url + "/v1/control/aliases/" + quote(name, safe="")
         body = {"version": 9, "engine_name": "alice-x@v1", "replicas": ["r0"]}
         if route == "control-put":
