@@ -103,8 +103,10 @@ def test_a_byte_flipped_between_two_agents_rolls_back_everywhere(
 
 
 def _publish_large_cutting_replica_1(fleet, small, large, cut, **publisher_kwargs):
-    """Publish v1 (small), then v2 (large) with replica 1 behind a 1 MB/s link; ``cut(proc)``
-    runs when 256 KiB of v2 passed that link (replica 1 is then relaying to replica 2)."""
+    """Publish v1 (small), then v2 (large) down a chain (0 -> 1 -> 2) with replica 1 behind a
+    1 MB/s link; ``cut(proc)`` runs when 256 KiB of v2 passed that link (replica 1 is then
+    relaying to replica 2)."""
+    publisher_kwargs.setdefault("relay_fanout", 1)
     with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
         pub.publish(str(small), name="policy")
     fired = threading.Event()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from lorafleet.bundle import AdapterBundle
 from lorafleet.protocol.agent import LoadMode, engine_name
 from lorafleet.protocol.canary import Canary
+from lorafleet.protocol.relay import RelayRates
 from lorafleet.protocol.router import SessionPolicy
 
 __all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
@@ -42,8 +43,11 @@ class Plan:
     sessions: SessionPolicy = "pin"
     previous_window: tuple[int, ...] = ()
     """The versions routable when the publication began, newest first."""
-    relay_fanout: int = 1
-    """Relay: how many agents each agent forwards a file to (1: a chain)."""
+    relay_fanout: int | None = None
+    """Relay: how many agents each agent forwards a file to (1: a chain); None: planned for each
+    file from the number of replicas that lack it and ``relay_rates`` (``protocol/relay.py``)."""
+    relay_rates: RelayRates = field(default_factory=RelayRates)
+    """Relay: the link, receive and per-hop figures a planned tree is chosen by."""
     relay_stall_s: float = 10.0
     """Relay: a hop that moves no byte for this long is dropped and resumed by the Publisher."""
     canary: Canary | None = None

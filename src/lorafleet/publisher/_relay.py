@@ -1,7 +1,8 @@
 """The relay transfer: each file leaves the Publisher once and is forwarded agent to agent.
 
 For each file, the replicas that lack it form a tree in the order the Publisher was given its
-agents (fan-out ``relay_fanout``; 1 is a chain, the fastest where each host's link is the limit).
+agents: of fan-out ``relay_fanout`` when one is given (1 is a chain), planned otherwise from how
+many replicas lack the file, its size and the relay rates (``protocol/relay.py``).
 The Publisher sends the file to the tree's root; every agent forwards it to its children while
 it streams in, and each verifies its own copy (size and sha-256, as for a direct upload). Trust
 is per publication: every session is opened with the sha-256 of a credential minted here, and
@@ -37,7 +38,6 @@ from lorafleet.errors import (
 from lorafleet.protocol.agent import (
     BlobSendRequest,
     FileProgress,
-    ForwardPlan,
     ForwardTarget,
     RelayAccept,
     RelayHop,
@@ -45,10 +45,11 @@ from lorafleet.protocol.agent import (
 )
 from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorCode
 from lorafleet.protocol.manifest import FileEntry
+from lorafleet.protocol.relay import forward_plans, plan_fanout
 from lorafleet.publisher._plan import Plan
 from lorafleet.publisher._replica import ReplicaTxn
 
-__all__ = ["Relay", "tree"]
+__all__ = ["Relay"]
 
 # A copy refused for its bytes fails its replica (no second try: as for a direct upload).
 _INTEGRITY = {ErrorCode.SIZE_MISMATCH, ErrorCode.DIGEST_MISMATCH, ErrorCode.SIZE_EXCEEDED}
@@ -57,18 +58,9 @@ _SETTLE_POLL_S = 0.1
 log = logging.getLogger("lorafleet.publisher")
 
 
-def tree(n: int, fanout: int) -> list[list[int]]:
-    """Children of each of ``n`` nodes laid out breadth-first (node 0 is the root)."""
-    return [list(range(i * fanout + 1, min(n, i * fanout + fanout + 1))) for i in range(n)]
-
-
 def _refusal(code: str | None, detail: str | None) -> BaseException:
     code = code or "http_error"
     return error_for(code, detail or code, status=STATUS_BY_CODE.get(code, 422))
-
-
-def _height(children: list[list[int]], i: int) -> int:
-    return 1 + max((_height(children, c) for c in children[i]), default=0) if children[i] else 0
 
 
 class Relay:
@@ -87,6 +79,8 @@ class Relay:
         """Replicas whose session was re-opened: later files go to them outside the trees."""
         self._done: dict[str, list[ReplicaTxn]] = {}
         """File path -> the replicas holding a verified copy of it (donors for repairs)."""
+        self.fanouts: dict[str, int] = {}
+        """File path -> the fan-out of the tree it moved down."""
         self._donated: dict[str, int] = {}
         """Replica id -> repairs it was asked to send (spread over the donors)."""
 
@@ -129,26 +123,20 @@ class Relay:
         await asyncio.gather(*(self._repair(r, entry) for r in direct))
         if not holders:
             return
-        children = tree(len(holders), self.plan.relay_fanout)
-        stall = self.plan.relay_stall_s
-        plans = {
-            i: ForwardPlan(
-                credential=self.credential,
-                stall_s=stall,
-                files={
-                    entry.path: [
-                        ForwardTarget(
-                            url=holders[c].agent.url,
-                            upload_id=holders[c].upload_id or "",
-                            answer_timeout_s=stall * (_height(children, c) + 1) + 10.0,
-                        )
-                        for c in kids
-                    ]
-                },
-            )
-            for i, kids in enumerate(children)
-            if kids
-        }
+        fanout = self.plan.relay_fanout or plan_fanout(
+            len(holders), entry.size, self.plan.relay_rates
+        )
+        self.fanouts[entry.path] = fanout
+        plans = forward_plans(
+            [
+                ForwardTarget(url=h.agent.url, upload_id=h.upload_id or "", answer_timeout_s=1.0)
+                for h in holders
+            ],
+            entry.path,
+            fanout,
+            self.credential,
+            self.plan.relay_stall_s,
+        )
         installed = await asyncio.gather(
             *(
                 holders[i].agent.client.set_forward(holders[i].upload_id or "", p)
@@ -158,7 +146,7 @@ class Relay:
         )
         for i, out in zip(plans, installed, strict=True):
             if isinstance(out, BaseException):
-                # Its subtree gets the file from the Publisher's repair below instead.
+                # Its subtree is fed by the repair below (a replica with a copy, or the trainer).
                 log.warning("%s refused its forward plan: %s", holders[i].id, out)
         root = holders[0]
         verdicts: dict[str, RelayHop | FileProgress] = {}

@@ -48,6 +48,7 @@ from lorafleet.protocol.agent import MAX_FANOUT, AdapterState
 from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.names import check_name
 from lorafleet.protocol.placement import rendezvous
+from lorafleet.protocol.relay import RelayRates
 from lorafleet.protocol.router import LagState, SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
@@ -85,8 +86,9 @@ class AsyncPublisher:
         holder: str | None = None,
         on_progress: ProgressCallback | None = None,
         verify: bool = True,
-        relay_fanout: int = 1,
+        relay_fanout: int | None = None,
         relay_stall_s: float = 10.0,
+        relay_rates: RelayRates | None = None,
         carriers: Mapping[str, Carrier] | None = None,
     ) -> None:
         """Raises ``ValueError`` without agents. Connects to nothing until the first call.
@@ -94,22 +96,25 @@ class AsyncPublisher:
         ``verify``: before the cutover, each agent checks that its engine applies the new
         version, asked the way the router will ask (``AdapterNotApplied`` fails the replica).
 
-        ``relay_fanout``, ``relay_stall_s``: the relay transfer's tree (each agent forwards a
-        file to this many others; 1 is a chain) and how long a hop may move no byte before it
-        is dropped and resumed from the Publisher. Agents reach each other at the URLs given
-        here, so these must be reachable from the agents too.
+        ``relay_fanout``, ``relay_stall_s``, ``relay_rates``: the relay transfer's tree (each
+        agent forwards a file to this many others; 1 is a chain; None, the default, plans it
+        for each file from the number of replicas and ``relay_rates``: docs/transfer.md) and
+        how long a hop may move no byte before it is dropped and its subtree re-parented. Agents
+        reach each other at the URLs given here, so these must be reachable from the agents
+        too.
 
         ``carriers``: more transfers by name (``lorafleet.publisher.carrier``), e.g. Ray's
         ``object_store``; ``transfer=<name>`` picks one.
         """
         if not agents:
             raise ValueError("a Publisher needs at least one agent URL")
-        if not 1 <= relay_fanout <= MAX_FANOUT:
-            raise ValueError(f"relay_fanout is between 1 and {MAX_FANOUT}")
+        if relay_fanout is not None and not 1 <= relay_fanout <= MAX_FANOUT:
+            raise ValueError(f"relay_fanout is between 1 and {MAX_FANOUT}, or None (planned)")
         if not 0 < relay_stall_s <= 600:
             raise ValueError("relay_stall_s is a positive number of seconds, at most 600")
         self.relay_fanout = relay_fanout
         self.relay_stall_s = relay_stall_s
+        self.relay_rates = relay_rates or RelayRates()
         self.carriers: dict[str, Carrier] = {"relay": relay, **(carriers or {})}
         self.timeouts = timeouts or Timeouts()
         self.shared_dir = Path(shared_dir) if shared_dir else None
@@ -347,6 +352,7 @@ class AsyncPublisher:
             previous_window=window,
             relay_fanout=self.relay_fanout,
             relay_stall_s=self.relay_stall_s,
+            relay_rates=self.relay_rates,
             quorum=quorum,
             canary=canary,
             placement=placement,
