@@ -32,8 +32,9 @@ from lorafleet.protocol.agent import (
 )
 from lorafleet.protocol.canary import Canary, CanaryVerdict
 from lorafleet.protocol.manifest import FileEntry, Manifest
+from lorafleet.protocol.relay import RelayRates, forward_plans, plan_fanout
 
-__all__ = ["InstallTimeouts", "ReplicaInstall"]
+__all__ = ["InstallTimeouts", "ReplicaInstall", "feed_tree"]
 
 T = TypeVar("T")
 
@@ -251,3 +252,65 @@ class ReplicaInstall:
         return await self._bounded(
             self.client.activate(self.name, self.version), self.timeouts.call_s
         )
+
+
+async def feed_tree(
+    installs: Sequence[ReplicaInstall],
+    urls: Sequence[str],
+    peer: AsyncAgentClient,
+    credential: str,
+    *,
+    stall_s: float = 10.0,
+    rates: RelayRates = RelayRates(),
+) -> dict[int, str]:
+    """Feed many installs of one version from one peer through a relay tree: their sessions
+    are open (``open(relay=...)`` with ``credential``'s digest; ``urls[i]`` is the agent of
+    ``installs[i]``); for each file, the ones that lack it form a tree planned by
+    ``plan_fanout``, each forwarding while it receives, and ``peer`` sends it once, to the
+    root. Every copy is verified by its own agent, as any upload. Nothing is committed here.
+    Returns the installs (by index) whose copy did not land, and why: their callers feed them
+    another way (``from_peer``); the rest hold every file."""
+    failed: dict[int, str] = {}
+    manifest = installs[0].manifest
+    assert manifest is not None
+    for entry in manifest.files:
+        idx = [i for i, x in enumerate(installs) if i not in failed and entry.path in x.missing]
+        if not idx:
+            continue
+        targets = [
+            ForwardTarget(url=urls[i], upload_id=installs[i].upload_id or "", answer_timeout_s=1.0)
+            for i in idx
+        ]
+        fanout = plan_fanout(len(idx), entry.size, rates)
+        plans = forward_plans(targets, entry.path, fanout, credential, stall_s)
+        bound = installs[0].timeouts.transfer_s
+        await asyncio.gather(
+            *(
+                installs[idx[k]]._bounded(
+                    installs[idx[k]].client.set_forward(targets[k].upload_id, plan),
+                    installs[idx[k]].timeouts.call_s,
+                )
+                for k, plan in plans.items()
+            ),
+            return_exceptions=True,  # a node that refused its plan: its subtree fails below
+        )
+        req = SendRequest(
+            name=manifest.name,
+            version=manifest.version,
+            target=targets[0].model_copy(update={"answer_timeout_s": bound}),
+            credential=credential,
+            paths=[entry.path],
+            stall_s=stall_s,
+        )
+        try:
+            sent = await asyncio.wait_for(peer.send(req, bound), bound)
+        except (LorafleetError, TimeoutError) as exc:
+            failed.update((i, f"{entry.path}: the peer could not send ({exc})") for i in idx)
+            continue
+        verdicts = {h.upload_id: h for h in (*sent.hops, *sent.relayed)}
+        for i, t in zip(idx, targets, strict=True):
+            hop = verdicts.get(t.upload_id)
+            if hop is None or not hop.ok:
+                why = "no verdict" if hop is None else f"{hop.code}: {hop.detail}"
+                failed[i] = f"{entry.path}: {why}"
+    return failed

@@ -208,10 +208,11 @@ async def send_file(
     stall_s: float,
     chunk: int = 1 << 20,
     offset: int = 0,
-) -> tuple[RelayHop, int]:
+) -> tuple[RelayHop, int, list[RelayHop]]:
     """Catch-up: PUT one stored file to a peer's session, as a relay hop would (the same
     headers and credential; the peer verifies size and sha-256), from ``offset`` (the peer's
-    durable prefix). Returns (hop, bytes sent)."""
+    durable prefix). Returns (the peer's verdict, bytes sent, the verdicts of the peers it
+    forwarded the file to in turn, when its session relays)."""
     sent = 0
 
     async def body() -> AsyncIterator[bytes]:
@@ -246,7 +247,8 @@ async def send_file(
             timeout=timeout,
         )
     except (httpx.HTTPError, httpx.StreamError, OSError) as exc:
-        return hop(False, "transport", f"{type(exc).__name__}: {exc}"), sent
+        return hop(False, "transport", f"{type(exc).__name__}: {exc}"), sent, []
     if resp.status_code == 200:
-        return hop(FileProgress.model_validate(resp.json()).complete), sent
-    return hop(False, error_code(resp), error_message(resp)), sent
+        prog = FileProgress.model_validate(resp.json())
+        return hop(prog.complete), sent, prog.relayed
+    return hop(False, error_code(resp), error_message(resp)), sent, []

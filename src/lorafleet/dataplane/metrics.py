@@ -117,6 +117,12 @@ class RouterMetrics:
             "Versions evicted from a replica to make room (least recently used, drained first)",
             registry=self.registry,
         )
+        self.catch_up_trees = Counter(
+            "lorafleet_router_catch_up_trees",
+            "Relay trees catch-up fed lagging replicas through (several replicas that needed "
+            "one version at once, from one peer each)",
+            registry=self.registry,
+        )
         self.shrinks = Counter(
             "lorafleet_router_idle_shrinks",
             "Replicas a version was loaded on on demand, evicted again after it stayed idle for "

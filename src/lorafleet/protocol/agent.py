@@ -280,7 +280,11 @@ class BlobSendRequest(_Model):
 
 class SendResult(_Model):
     hops: list[RelayHop]
+    """The target's verdict on each file sent."""
     bytes_sent: int
+    relayed: list[RelayHop] = Field(default_factory=list)
+    """Where the target's session relays (a catch-up tree): the verdicts of the peers it
+    forwarded each file to, and theirs in turn."""
 
 
 class UploadSession(_Model):

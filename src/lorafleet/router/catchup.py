@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -39,8 +41,14 @@ from lorafleet.clients.agent import AsyncAgentClient
 from lorafleet.dataplane.balancer import Balancer, Replica
 from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import InstallFailed, LorafleetError
-from lorafleet.install import InstallTimeouts, ReplicaInstall
-from lorafleet.protocol.agent import AdapterRecord, AdapterState, engine_name
+from lorafleet.install import InstallTimeouts, ReplicaInstall, feed_tree
+from lorafleet.protocol.agent import (
+    AdapterRecord,
+    AdapterState,
+    RelayAccept,
+    credential_digest,
+    engine_name,
+)
 from lorafleet.protocol.router import AliasEntry, RoutableVersion
 from lorafleet.router.table import AliasStore
 
@@ -51,6 +59,19 @@ log = logging.getLogger("lorafleet.router.catchup")
 _HELD = (AdapterState.LOADED, AdapterState.ACTIVE)
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
+
+
+TREE_MIN = 4
+"""Lagging replicas per tree at least: fewer share one tree (and one source peer)."""
+
+
+@dataclass(eq=False)
+class _Feed:
+    """Replicas that need one version, gathered to be fed together."""
+
+    members: list = field(default_factory=list)
+    """(replica, its source peer, the future its round waits on)."""
+    task: asyncio.Task | None = None
 
 
 class CatchUpFailed(Exception):
@@ -86,6 +107,7 @@ class CatchUp:
         interval_s: float = 1.0,
         call_timeout_s: float = 10.0,
         transfer_timeout_s: float = 600.0,
+        gather_s: float = 0.5,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
@@ -102,6 +124,14 @@ class CatchUp:
         """(replica, name) -> (monotonic time of the next try, the delay that led to it)."""
         self._task: asyncio.Task | None = None
         self._rr = 0
+        self.gather_s = gather_s
+        self._feeds: dict[tuple[str, int, str], _Feed] = {}
+        """(name, version, digest) -> the replicas waiting to be fed it together."""
+        self._sending: dict[str, int] = {}
+        """Source agent URL -> trees it is feeding now (a tree goes to the least busy peer)."""
+        self.progress: dict[tuple[str, int, str], list[int]] = {}
+        """(name, version, source replica) -> [replicas fed so far, replicas in that tree]:
+        the trees under way (``lorafleet status``)."""
 
     def client(self, url: str) -> AsyncAgentClient:
         assert self._http is not None
@@ -250,15 +280,12 @@ class CatchUp:
         if mine is None:
             if src is None:
                 raise CatchUpFailed("no peer in rotation holds it")
-            peer = self.client(src.agent_url)
             # Other bytes under this engine name (a failed attempt's leftover) go first.
             for rec in await asyncio.wait_for(target.list_adapters(), bound):
                 if rec.name == name and rec.version == v and rec.digest != ref.digest:
                     await asyncio.wait_for(target.unload(name, v), bound)
             try:
-                install = await ReplicaInstall.copied_from_peer(
-                    target, peer, r.agent_url, name, v, timeouts, ref.digest
-                )
+                install = await self._copied(r, src, name, v, ref, timeouts)
             except InstallFailed as exc:
                 raise CatchUpFailed(f"peer {src.replica_id}: {exc}") from exc
         else:
@@ -276,6 +303,150 @@ class CatchUp:
         if not self.store.add_holder(name, v, rec.digest, rid, rec.canary):
             raise CatchUpFailed(f"v{v} is no longer routable with digest {rec.digest[:12]}")
         log.info("replica %s caught up on %s v%d", rid, name, v)
+
+    # -- trees ----------------------------------------------------------------------------------
+    async def _copied(
+        self,
+        r: Replica,
+        src: Replica,
+        name: str,
+        v: int,
+        ref: RoutableVersion,
+        timeouts: InstallTimeouts,
+    ) -> ReplicaInstall:
+        """``ref`` onto ``r`` from peers, staged and loaded. The replicas that need the same
+        version within ``gather_s`` of each other (a rack back, a wiped fleet) are fed together
+        through relay trees, one per source peer; one alone is fed by ``src`` directly."""
+        key = (name, v, ref.digest or "")
+        feed = self._feeds.get(key)
+        if feed is None:
+            feed = self._feeds[key] = _Feed()
+            feed.task = asyncio.create_task(self._feed(key, ref, timeouts), name=f"feed {name}")
+        got: asyncio.Future[ReplicaInstall] = asyncio.get_running_loop().create_future()
+        feed.members.append((r, src, got))
+        return await got
+
+    async def _feed(self, key: tuple[str, int, str], ref: RoutableVersion, timeouts) -> None:
+        name, v, digest = key
+        feed = self._feeds[key]
+        # Gather until no replica joined for gather_s (replicas that come back together are
+        # seen by their rounds within a poll or two of each other), for 4 * gather_s at most.
+        deadline = time.monotonic() + 4 * self.gather_s
+        while True:
+            seen = len(feed.members)
+            await asyncio.sleep(self.gather_s)
+            if len(feed.members) == seen or time.monotonic() >= deadline:
+                break
+        self._feeds.pop(key, None)
+        members = [m for m in feed.members if not m[2].done()]
+        try:
+            await self._feed_members(name, v, digest or None, ref, members, timeouts)
+        except Exception as exc:
+            for _, _, got in members:
+                if not got.done():
+                    got.set_exception(exc)
+
+    async def _feed_members(self, name, v, digest, ref, members, timeouts) -> None:
+        member_urls = {r.agent_url for r, _, _ in members}
+        sources = [
+            p for p in self.balancer.candidates(ref.replicas) if p.agent_url not in member_urls
+        ]
+        if len(members) == 1 or not sources:
+            # One replica (or no peer outside the group): each from its own source, directly.
+            await asyncio.gather(
+                *(self._one(r, src, name, v, digest, timeouts, got) for r, src, got in members)
+            )
+            return
+        # One tree per source peer, the least busy first, as many as there are peers and at
+        # most one per TREE_MIN members: the load spreads and each tree stays deep enough to
+        # pay for itself.
+        sources.sort(key=lambda p: (self._sending.get(p.agent_url, 0), p.inflight))
+        trees = max(1, min(len(sources), -(-len(members) // TREE_MIN)))
+        groups = [[(r, got) for r, _, got in members[k::trees]] for k in range(trees)]
+        self.metrics.catch_up_trees.inc(trees)
+        await asyncio.gather(
+            *(
+                self._tree(sources[k], group, name, v, digest, timeouts)
+                for k, group in enumerate(groups)
+            )
+        )
+
+    async def _one(self, r, src, name, v, digest, timeouts, got) -> None:
+        try:
+            got.set_result(
+                await ReplicaInstall.copied_from_peer(
+                    self.client(r.agent_url),
+                    self.client(src.agent_url),
+                    r.agent_url,
+                    name,
+                    v,
+                    timeouts,
+                    digest,
+                )
+            )
+        except Exception as exc:  # the member's own round reports it
+            got.set_exception(exc)
+
+    async def _tree(self, src: Replica, group, name, v, digest, timeouts) -> None:
+        """Feed ``group`` from ``src`` through one tree; a member whose copy did not land is
+        fed from ``src`` directly, from scratch."""
+        peer = self.client(src.agent_url)
+        self._sending[src.agent_url] = self._sending.get(src.agent_url, 0) + 1
+        key = (name, v, src.replica_id or src.agent_url)
+        self.progress[key] = [0, len(group)]
+        try:
+            manifest = await asyncio.wait_for(peer.manifest(name, v), self.call_timeout_s)
+            if digest is not None and manifest.digest != digest:
+                raise InstallFailed(f"the peer holds other bytes under v{v}")
+            credential = secrets.token_urlsafe(32)
+            accept = RelayAccept(credential_sha256=credential_digest(credential))
+            installs = [
+                ReplicaInstall(self.client(r.agent_url), name, v, manifest, timeouts)
+                for r, _ in group
+            ]
+            opened = await asyncio.gather(
+                *(x.open(supersede=True, relay=accept) for x in installs), return_exceptions=True
+            )
+            live = [k for k, o in enumerate(opened) if not isinstance(o, BaseException)]
+            for k, o in enumerate(opened):
+                if isinstance(o, BaseException):
+                    group[k][1].set_exception(o)
+            failed = await feed_tree(
+                [installs[k] for k in live],
+                [group[k][0].agent_url for k in live],
+                peer,
+                credential,
+            )
+            log.info(
+                "catch-up of %s v%d: %d replicas fed through one tree from %s (%d direct)",
+                name, v, len(live), src.replica_id, len(failed),
+            )  # fmt: skip
+
+            async def finish(j: int) -> None:
+                k = live[j]
+                r, got = group[k]
+                x = installs[k]
+                try:
+                    if j in failed:
+                        with contextlib.suppress(LorafleetError, TimeoutError):
+                            await x.discard()
+                        x = await ReplicaInstall.copied_from_peer(
+                            x.client, peer, r.agent_url, name, v, timeouts, digest
+                        )
+                    else:
+                        await x.commit()
+                        await x.load()
+                    self.progress[key][0] += 1
+                    got.set_result(x)
+                except Exception as exc:
+                    with contextlib.suppress(LorafleetError, TimeoutError):
+                        await x.discard()
+                    got.set_exception(exc)
+
+            await asyncio.gather(*(finish(j) for j in range(len(live))))
+        finally:
+            self._sending[src.agent_url] -= 1
+            self.progress.pop(key, None)
 
     async def _release_left_behind(self, r: Replica, name: str) -> None:
         """Unload what ``r`` holds of ``name`` below the window: nothing routes to it there."""

@@ -104,11 +104,11 @@ def routes(ctx: AgentRoutes) -> APIRouter:
         session, presenting ``credential``; the peer verifies each as any upload."""
         manifest, root = rt.service.stored(req.name, req.version)
         wanted = set(req.paths) if req.paths is not None else None
-        hops, sent = [], 0
+        hops, relayed, sent = [], [], 0
         for entry in manifest.files:
             if wanted is not None and entry.path not in wanted:
                 continue
-            hop, n = await send_file(
+            hop, n, more = await send_file(
                 rt.uploads.relay_http(),
                 req.target,
                 entry,
@@ -117,10 +117,11 @@ def routes(ctx: AgentRoutes) -> APIRouter:
                 req.stall_s,
             )
             hops.append(hop)
+            relayed.extend(more)
             sent += n
             if not hop.ok:
                 break
-        return SendResult(hops=hops, bytes_sent=sent)
+        return SendResult(hops=hops, bytes_sent=sent, relayed=relayed)
 
     @api.post("/v1/blobs/send", dependencies=guard, responses=errors(*ctl, 404, 413))
     async def send_blob(req: BlobSendRequest) -> SendResult:
@@ -132,7 +133,7 @@ def routes(ctx: AgentRoutes) -> APIRouter:
             raise InvalidRequest(f"offset {req.offset} is past the file's {entry.size} bytes")
         if not rt.store.has_blob(entry.sha256, entry.size):
             raise NotFound(f"no verified copy of {entry.path} ({entry.sha256[:12]}) here")
-        hop, sent = await send_file(
+        hop, sent, relayed = await send_file(
             rt.uploads.relay_http(),
             req.target,
             entry,
@@ -141,7 +142,7 @@ def routes(ctx: AgentRoutes) -> APIRouter:
             req.stall_s,
             offset=req.offset,
         )
-        return SendResult(hops=[hop], bytes_sent=sent)
+        return SendResult(hops=[hop], bytes_sent=sent, relayed=relayed)
 
     @api.get("/v1/adapters")
     async def list_adapters() -> AdapterList:
