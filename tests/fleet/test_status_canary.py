@@ -62,3 +62,15 @@ def test_a_cold_version_and_placement_sets_are_shown():
 
 def test_no_placement_column_when_every_name_is_everywhere():
     assert "placement" not in _with_aliases([ALIAS])
+
+
+def test_catch_up_trees_are_shown_with_their_progress():
+    status = FleetStatus("http://r", True, None, False, [], [], 0)
+    status.catch_up = [
+        {"name": "policy", "version": 3, "source": "r0", "fed": 2, "replicas": 5},
+    ]
+    text = _render(status)
+    assert "catching up" in text
+    row = next(x for x in text.splitlines() if "policy" in x and "v3" in x)
+    assert "r0" in row and "2 of 5" in row
+    assert "catching up" not in _with_aliases([])

@@ -10,6 +10,7 @@ to each other (a tree), the router counted its trees, and every replica answers 
 from __future__ import annotations
 
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -55,6 +56,22 @@ def test_five_wiped_replicas_catch_up_through_a_tree(make_fleet, tiny_model, tmp
             launcher.restart(fleet.agents[i], wait=False)
         for i in wiped:
             launcher.wait_ready(fleet.agents[i])
+        # What `lorafleet status` shows while it runs: the trees and their progress.
+        seen: list[dict] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                r = httpx.get(
+                    fleet.router.url + "/v1/control/catch-up",
+                    headers={"Authorization": f"Bearer {fleet.token}"},
+                    timeout=10,
+                )
+                seen.extend(r.json()["trees"])
+                stop.wait(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
 
         def caught_up() -> bool:
             holders = fleet.aliases()["treeup"]["routable"][0]["replicas"]
@@ -64,7 +81,12 @@ def test_five_wiped_replicas_catch_up_through_a_tree(make_fleet, tiny_model, tmp
             )
             return held and len(holders) == N
 
-        wait_until(caught_up, timeout=240, message="every wiped replica caught up")
+        try:
+            wait_until(caught_up, timeout=240, message="every wiped replica caught up")
+        finally:
+            stop.set()
+            watcher.join(10)
+        assert any(t["name"] == "treeup" and t["replicas"] >= 2 for t in seen), seen[:3]
         trees = _metric(fleet.router.url, "lorafleet_router_catch_up_trees_total")
         forwarded = sum(
             _metric(fleet.agents[i].url, 'lorafleet_agent_relay_hops_total{outcome="ok"}')

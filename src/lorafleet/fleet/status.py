@@ -46,6 +46,8 @@ class FleetStatus:
     copies: list[dict[str, Any]] = field(default_factory=list)
     """The router's data-plane copies (``CopyStatus``): table seq, current or fenced, load."""
     table_seq: int | None = None
+    catch_up: list[dict[str, Any]] = field(default_factory=list)
+    """The relay trees the router's catch-up is feeding now (``CatchUpTree``)."""
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -124,6 +126,10 @@ def collect_status(info: FleetInfo) -> FleetStatus:
         listed = _get(client, info.router_url + "/v1/control/copies", errors, headers=auth)
         if listed is not None and listed.status_code == 200:
             copies, table_seq = listed.json().get("copies", []), listed.json().get("seq")
+        trees: list[dict[str, Any]] = []
+        feeding = _get(client, info.router_url + "/v1/control/catch-up", errors, headers=auth)
+        if feeding is not None and feeding.status_code == 200:
+            trees = feeding.json().get("trees", [])
         metrics = _get(client, info.router_url + "/metrics", errors)
         if metrics is not None and metrics.status_code == 200:
             gauges = _inflight_from_metrics(metrics.text)
@@ -143,6 +149,7 @@ def collect_status(info: FleetInfo) -> FleetStatus:
         inflight_total=inflight_total,
         copies=copies,
         table_seq=table_seq,
+        catch_up=trees,
         errors=errors,
     )
 
@@ -277,6 +284,16 @@ def render_status(status: FleetStatus, info: FleetInfo) -> list[Any]:
                 str(lag.get("reason", "")),
             )
         out.append(lag_table)
+    if status.catch_up:
+        # Replicas that lost a version together, fed through relay trees of peers.
+        trees = Table(title="catching up (relay trees from peers)", title_justify="left")
+        for col in ("name", "version", "from", "fed"):
+            trees.add_column(col)
+        for t in status.catch_up:
+            trees.add_row(
+                t["name"], f"v{t['version']}", t["source"], f"{t['fed']} of {t['replicas']}"
+            )
+        out.append(trees)
     if status.errors:
         out.append("[yellow]unreachable:[/yellow] " + "; ".join(status.errors))
     return out

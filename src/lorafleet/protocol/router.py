@@ -81,6 +81,8 @@ __all__ = [
     "AliasEntry",
     "AliasEvent",
     "AliasTable",
+    "CatchUpList",
+    "CatchUpTree",
     "CopyList",
     "CopyReport",
     "CopyStatus",
@@ -363,6 +365,22 @@ class RoomResult(_Model):
     """Free slots on the replica now (at least ``need`` when the call succeeded)."""
     evicted: list[str] = Field(default_factory=list)
     """The engine names evicted for it (``name@vN``)."""
+
+
+class CatchUpTree(_Model):
+    """One relay tree catch-up is feeding now: replicas that lack a version, fed from one peer."""
+
+    name: str
+    version: int
+    source: str
+    """The peer replica the tree is fed from."""
+    fed: int
+    """Replicas of the tree holding the version (staged and loaded) so far."""
+    replicas: int
+
+
+class CatchUpList(_Model):
+    trees: list[CatchUpTree]
 
 
 class RegisterRequest(_Model):

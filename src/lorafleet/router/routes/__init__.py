@@ -17,6 +17,7 @@ from lorafleet.dataplane.health import HealthPoller
 from lorafleet.dataplane.metrics import RouterMetrics
 from lorafleet.errors import UnknownReplica
 from lorafleet.protocol.router import ReplicaStatus
+from lorafleet.router.catchup import CatchUp
 from lorafleet.router.config import RouterConfig
 from lorafleet.router.copies import Copies
 from lorafleet.router.placement import Placer
@@ -36,6 +37,7 @@ class RouterState(Protocol):
     copies: Copies
     placer: Placer
     sources: Sources
+    catch_up: CatchUp | None
     config: RouterConfig
 
     def prune_metrics(self) -> None: ...

@@ -17,6 +17,8 @@ from lorafleet.protocol.agent import check_peer_url
 from lorafleet.protocol.router import (
     MAX_REPLICA_ID,
     AddReplicaRequest,
+    CatchUpList,
+    CatchUpTree,
     MoveReplicaRequest,
     ReplicaList,
     ReplicaStatus,
@@ -66,6 +68,23 @@ def routes(ctx: RouteContext) -> APIRouter:
     )
     async def replicas() -> ReplicaList:
         return ReplicaList(replicas=[replica_status(r) for r in balancer.replicas])
+
+    @api.get(
+        "/v1/control/catch-up",
+        dependencies=ctl,
+        response_model=CatchUpList,
+        responses=errors(401, 403),
+    )
+    async def catch_up() -> CatchUpList:
+        """The relay trees catch-up is feeding now (docs/transfer.md), each with its progress."""
+        if router.catch_up is None:
+            return CatchUpList(trees=[])
+        return CatchUpList(
+            trees=[
+                CatchUpTree(name=n, version=v, source=src, fed=fed, replicas=of)
+                for (n, v, src), (fed, of) in sorted(router.catch_up.progress.items())
+            ]
+        )
 
     @api.put(
         "/v1/control/replicas/{replica_id}",
