@@ -3,23 +3,22 @@
 Three parts (``--parts``, default all three):
 
 ``shaped`` (needs root and network namespaces; skipped with the reason otherwise): a
-``lorafleet.testing.netbed.NetBed`` with 4 replica hosts and a trainer host, every host's egress
-shaped to ``--rate`` (400mbit). Each replica runs a reference engine and an agent (max LoRA rank
-``--rank``); the trainer runs one router per fleet size N in 1, 2, 4 (over the first N agents) and
-one Publisher process (``ip netns exec``) with a Publisher per N. The adapter is a real PEFT
-adapter on the tiny model, all-linear LoRA at rank ``--rank`` (4096 * r fp32 parameters: r=4096
-is 64 MiB), with new bytes for every publication (agents deduplicate by content). For each run,
-interleaved: N in 1, 2, 4 and transfer in relay / remote_upload (the star), one publication each
-(after one warm-up publication per N). Recorded: ``duration_s`` and its parts (the slowest
-replica's upload, commit, load and probe), ``bytes_sent``, the trainer's egress (``tx_bytes`` of
-its link around the call) and the CPU seconds of the bed's agents, engines and Publisher during
-the call. The bed's own limit, each run: a raw TCP transfer of the adapter's size trainer -> r1
-(plain sockets), and a raw chain trainer -> r1 -> r2 -> r3 -> r4 whose hops forward as they read.
-From the medians: t(N)/t(1) per transfer (target for relay: t(4)/t(1) <= 1.15; also against all
-N=1 publications pooled, since with one agent both transfers are the same direct upload), egress
-in adapter copies (target for relay: 1), the per-hop pipeline latency h = (t_relay(4) - t(1)) / 3
-and the model t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed), S/R being the raw transfer and
-fixed = t(1) - S/R (printed with h from the whole publication and from the transfer alone).
+``lorafleet.testing.netbed.NetBed`` with ``--replicas`` (8) replica hosts and a trainer host, every
+host's egress shaped to ``--rate`` (400mbit). Each replica runs a reference engine and an agent
+(max LoRA rank ``--rank``); the trainer runs one router per fleet size N in 1, 2, 4, 8 (over the
+first N agents) and one Publisher process (``ip netns exec``). The adapter is a real PEFT adapter
+on the tiny model, all-linear LoRA at rank ``--rank`` (4096 * r fp32 parameters: r=4096 is 64
+MiB), with new bytes for every publication (agents deduplicate by content). Three arms, each run
+interleaved: **tree** (the relay with the fan-out the Publisher plans, told the bed's link rate;
+``protocol/relay.py``), **chain** (the relay with fan-out 1) and **star** (``remote_upload``: one
+copy from the trainer to each replica). Recorded per publication: ``duration_s`` and its parts
+(the slowest replica's upload, commit, load and probe), ``bytes_sent``, the trainer's egress
+(``tx_bytes`` of its link around the call) and the CPU seconds of the bed's agents and engines.
+The bed's own limit, each run: a raw TCP transfer of the adapter's size trainer -> r1 (plain
+sockets), and a raw chain over every replica whose hops forward as they read. From the medians:
+t(N)/t(1) per arm against the pooled N=1 median (every arm is the same direct upload there), the
+per-hop time h from the chain's uploads, and the model's time at 16 to 4,096 replicas
+(``protocol/relay.relay_time`` with the planned fan-out, against a chain).
 
 ``loopback``: 4 engine-less agents on 127.0.0.1 and a ``--mib`` (1024) random file. star = one
 ``upload_file`` to each agent at once from this process; relay = every session opened with a
@@ -36,7 +35,7 @@ Also against a floor measured the same way: sha256 + write+fsync + recv (+ send 
 Shares the loopback agents; its arm is interleaved with the loopback ones.
 
 Usage: python bench/relay.py [--parts shaped,loopback,cpu] [--runs 3] [--rate 400mbit]
-       [--rank 4096] [--mib 1024]
+       [--rank 4096] [--replicas 8] [--mib 1024]
 """
 
 from __future__ import annotations
@@ -74,34 +73,43 @@ from lorafleet.protocol.agent import (
     credential_digest,
 )
 from lorafleet.protocol.manifest import FileEntry
+from lorafleet.protocol.relay import RelayRates, plan_fanout, relay_time
 from lorafleet.testing import netbed
 
 MiB = 1 << 20
 GiB = 1 << 30
 CHUNK = 4 * MiB
-SIZES = (1, 2, 4)
-TRANSFERS = ("relay", "remote_upload")
-LABEL = {"relay": "relay", "remote_upload": "star"}
+TRANSFERS = ("tree", "chain", "star")
+"""tree: the relay with the planned fan-out (``protocol/relay.py``, told the bed's link rate);
+chain: the relay with fan-out 1; star: ``remote_upload`` (one copy from the trainer to each)."""
 
 # The Publisher process in the trainer's namespace: one Publisher per fleet size; one JSON
 # request per line on stdin (adapter, n, transfer, name), one "RESULT <json>" line per answer.
 TRAINER = r"""
 import dataclasses, json, os, sys
+from lorafleet.protocol.relay import RelayRates
 from lorafleet.publisher import Publisher
 
 cfg = json.loads(sys.stdin.readline())
+link = cfg.pop("_link")
 token = os.environ["RELAY_BENCH_TOKEN"]
-pubs = {n: Publisher(urls, router, token=token) for n, (urls, router) in cfg.items()}
+rates = RelayRates(link_Bps=link)
+pubs = {}
+for n, (urls, router) in cfg.items():
+    pubs[n, "tree"] = Publisher(urls, router, token=token, relay_rates=rates)
+    pubs[n, "chain"] = pubs[n, "star"] = Publisher(urls, router, token=token, relay_fanout=1)
 print("READY", flush=True)
 for line in sys.stdin:
     req = json.loads(line)
+    transfer = "remote_upload" if req["kind"] == "star" else "relay"
     try:
-        res = pubs[req["n"]].publish(req["adapter"], name=req["name"], transfer=req["transfer"])
+        res = pubs[req["n"], req["kind"]].publish(req["adapter"], name=req["name"],
+                                                  transfer=transfer)
         out = {"ok": True, **dataclasses.asdict(res)}
     except Exception as exc:
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     print("RESULT " + json.dumps(out, default=str), flush=True)
-for pub in pubs.values():
+for pub in set(pubs.values()):
     pub.close()
 """
 
@@ -216,8 +224,20 @@ class Trainer:
         self._err.close()
 
 
+def rate_Bps(rate: str) -> float:
+    """A tc rate (``400mbit``, ``1gbit``) in bytes per second (tc's mbit is 10**6 bits)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, bits in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * bits / 8
+    raise ValueError(f"unknown rate {rate!r}")
+
+
 def part_shaped(args: argparse.Namespace, work: Path) -> None:
-    print(f"\n== shaped bed: 4 replicas, {args.rate}, all-linear LoRA r={args.rank} ==")
+    sizes = tuple(n for n in (1, 2, 4, 8, 16) if n <= args.replicas)
+    print(
+        f"\n== shaped bed: {args.replicas} replicas, {args.rate}, all-linear LoRA r={args.rank} =="
+    )
     if (why := netbed.netns_available()) is not None:
         print(f"skipped: {why}")
         return
@@ -225,17 +245,20 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
 
     model = ensure_tiny_model()
     t = time.perf_counter()
-    adapters = make_adapters(model, work / "adapters", len(SIZES) * (1 + 2 * args.runs), args.rank)
+    adapters = make_adapters(
+        model, work / "adapters", len(sizes) * (1 + len(TRANSFERS) * args.runs), args.rank
+    )
     size = AdapterBundle.from_dir(adapters[0], name="x").total_size
     print(
         f"{len(adapters)} adapters of {size / MiB:.2f} MiB made in {time.perf_counter() - t:.1f} s"
     )
+    link = rate_Bps(args.rate)
     token = secrets.token_urlsafe(16)
     rows: dict[tuple[int, str], list[dict]] = defaultdict(list)
     raw1: list[float] = []
-    chain4: list[float] = []
+    chain: list[float] = []
     with (
-        netbed.NetBed(4, rate=args.rate) as bed,
+        netbed.NetBed(args.replicas, rate=args.rate) as bed,
         Launcher(work / "logs-shaped") as launcher,
     ):
         t = time.perf_counter()
@@ -249,9 +272,12 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
             max_lora_rank=args.rank,
             extra=tuple(args.agent_arg),
         )
-        routers = {n: netbed.start_router(bed, launcher, replicas[:n], token=token) for n in SIZES}
+        routers = {n: netbed.start_router(bed, launcher, replicas[:n], token=token) for n in sizes}
         print(f"{bed}: engines, agents and routers up in {time.perf_counter() - t:.1f} s")
-        cfg = {str(n): [[r.url for r in replicas[:n]], routers[n].url] for n in SIZES}
+        cfg: dict[str, Any] = {
+            str(n): [[r.url for r in replicas[:n]], routers[n].url] for n in sizes
+        }
+        cfg["_link"] = link
         trainer = Trainer(bed, cfg, token, work / "trainer.log")
         procs = {
             "agents": [psutil.Process(r.agent.pid) for r in replicas],
@@ -260,148 +286,110 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
         }
         try:
             it = iter(adapters)
-            for n in SIZES:  # warm-up: the first publication of a name retires nothing
-                trainer.publish(adapter=str(next(it)), n=str(n), transfer="relay", name=f"p{n}")
+            for n in sizes:  # warm-up: the first publication of a name retires nothing
+                trainer.publish(adapter=str(next(it)), n=str(n), kind="chain", name=f"p{n}")
             for run in range(args.runs):
                 raw1.append(raw_chain(bed, bed.replicas[:1], size))
-                chain4.append(raw_chain(bed, bed.replicas[:4], size))
+                chain.append(raw_chain(bed, bed.replicas[: sizes[-1]], size))
                 print(
                     f"run {run + 1} (load {loadavg()}): raw TCP trainer->r1 {raw1[-1]:.3f} s, "
-                    f"raw chain trainer->r1..r4 {chain4[-1]:.3f} s",
+                    f"raw chain trainer->r1..r{sizes[-1]} {chain[-1]:.3f} s",
                     flush=True,
                 )
                 order = TRANSFERS if run % 2 == 0 else TRANSFERS[::-1]
-                for n in SIZES:
-                    for transfer in order:
+                for n in sizes:
+                    for kind in order:
                         before = bed.tx_bytes(bed.trainer)
                         cpu0 = {k: cpu_s(v) for k, v in procs.items()}
                         res = trainer.publish(
-                            adapter=str(next(it)), n=str(n), transfer=transfer, name=f"p{n}"
+                            adapter=str(next(it)), n=str(n), kind=kind, name=f"p{n}"
                         )
                         cpu = {k: cpu_s(v) - cpu0[k] for k, v in procs.items()}
                         egress = bed.tx_bytes(bed.trainer) - before
                         reps = res["replicas"].values()
                         row = {
                             "duration": res["duration_s"],
-                            "build": res["build_s"],
                             "upload": max(r["upload_s"] for r in reps),
                             "commit": max(r["verify_s"] for r in reps),
                             "load": max(r["load_s"] for r in reps),
                             "probe": max(r["probe_s"] for r in reps),
                             "cutover": res["cutover_s"],
-                            "serving": res["serving_s"],
-                            "retire": res["retire_s"],
                             "bytes_sent": res["bytes_sent"],
                             "egress": egress,
                             "relayed": sum(r["bytes_relayed"] for r in reps),
                             **{f"cpu_{k}": v for k, v in cpu.items()},
                         }
-                        assert res["transfer"] == transfer, res["transfer"]
-                        rows[n, transfer].append(row)
+                        rows[n, kind].append(row)
                         print(
-                            f"  N={n} {LABEL[transfer]:5s}: {row['duration']:.3f} s (upload "
+                            f"  N={n} {kind:5s}: {row['duration']:.3f} s (upload "
                             f"{row['upload']:.3f}, load {row['load']:.3f}), bytes_sent "
                             f"{row['bytes_sent'] / size:.2f}x, egress {egress / size:.3f}x, "
                             f"relayed {row['relayed'] / size:.2f}x; CPU s agents "
-                            f"{cpu['agents']:.2f} engines {cpu['engines']:.2f} publisher "
-                            f"{cpu['publisher']:.2f}",
+                            f"{cpu['agents']:.2f} engines {cpu['engines']:.2f}",
                             flush=True,
                         )
         finally:
             trainer.close()
 
     sr = med(raw1)
+    top = sizes[-1]
     print(
         f"\nmedians over {args.runs} runs; adapter S = {size / MiB:.2f} MiB; load {loadavg()}\n"
         f"bed limit: raw TCP trainer->r1 S/R = {sr:.3f} s ({size * 8 / sr / 1e6:.0f} Mbit/s); "
-        f"raw chain trainer->r1..r4 {med(chain4):.3f} s "
-        f"(per raw hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
+        f"raw chain trainer->r1..r{top} {med(chain):.3f} s "
+        f"(per raw hop {(med(chain) - sr) / max(top - 1, 1) * 1e3:.1f} ms)"
     )
     m: dict[tuple[int, str], dict[str, float]] = {
         k: {f: med([r[f] for r in v]) for f in v[0]} for k, v in rows.items()
     }
-    # With one agent both transfers are the same direct upload: pooled, t(1) has twice the runs.
-    ones = [r for t in TRANSFERS for r in rows[1, t]]
-    t1, u1 = med([r["duration"] for r in ones]), med([r["upload"] for r in ones])
-    print(
-        "t(N)/t(1): against the same transfer's N=1 median, and against the median of all N=1 "
-        f"publications of both transfers (the same direct upload; pooled t(1) = {t1:.3f} s, "
-        f"upload {u1:.3f} s)"
-    )
-    print(
-        "| N | transfer | duration_s | upload_s | t(N)/t(1) | t(N)/t(1) pooled | "
-        "upload(N)/upload(1) pooled | bytes_sent / S | egress / S |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for transfer in TRANSFERS:
-        for n in SIZES:
-            x, one = m[n, transfer], m[1, transfer]
+    # With one agent every arm is the same direct upload: pooled, t(1) has three times the runs.
+    ones = [r for k in TRANSFERS for r in rows[1, k]]
+    t1 = med([r["duration"] for r in ones])
+    rates = RelayRates(link_Bps=link)
+    print(f"t(N)/t(1) against the pooled N=1 median ({t1:.3f} s); tree fan-out as planned")
+    print("| N | arm | fan-out | duration_s | upload_s | t(N)/t(1) | bytes_sent / S | egress / S |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in TRANSFERS:
+        for n in sizes:
+            x = m[n, kind]
+            f = {"tree": plan_fanout(n, size, rates), "chain": 1, "star": n}[kind]
             print(
-                f"| {n} | {LABEL[transfer]} | {x['duration']:.3f} | {x['upload']:.3f} | "
-                f"{x['duration'] / one['duration']:.2f} | {x['duration'] / t1:.2f} | "
-                f"{x['upload'] / u1:.2f} | {x['bytes_sent'] / size:.2f} | "
+                f"| {n} | {kind} | {f} | {x['duration']:.3f} | {x['upload']:.3f} | "
+                f"{x['duration'] / t1:.2f} | {x['bytes_sent'] / size:.2f} | "
                 f"{x['egress'] / size:.3f} |"
             )
+    print("\nbreakdown (medians, s; the slowest replica's; CPU s of the bed's processes)")
     print(
-        "\nbreakdown (medians, s; upload/commit/load/probe: the slowest replica's; CPU s of the "
-        f"bed's processes during the call, busy = all of it / (duration * {os.cpu_count()} cores))"
+        "| N | arm | upload | commit | load | probe | cutover | CPU agents | CPU engines | busy |"
     )
-    print(
-        "| N | transfer | build | upload | commit | load | probe | cutover | serving | retire | "
-        "CPU agents | CPU engines | CPU publisher | busy |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for transfer in TRANSFERS:
-        for n in SIZES:
-            x = m[n, transfer]
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kind in TRANSFERS:
+        for n in sizes:
+            x = m[n, kind]
             busy = (x["cpu_agents"] + x["cpu_engines"] + x["cpu_publisher"]) / (
                 x["duration"] * (os.cpu_count() or 1)
             )
             print(
-                f"| {n} | {LABEL[transfer]} | "
+                f"| {n} | {kind} | "
                 + " | ".join(
-                    f"{x[k]:.3f}"
-                    for k in (
-                        "build", "upload", "commit", "load", "probe", "cutover", "serving",
-                        "retire",
-                    )
+                    f"{x[k]:.3f}" for k in ("upload", "commit", "load", "probe", "cutover")
                 )
-                + f" | {x['cpu_agents']:.2f} | {x['cpu_engines']:.2f} | "
-                f"{x['cpu_publisher']:.2f} | {busy:.0%} |"
-            )  # fmt: skip
-    t4, u4 = m[4, "relay"]["duration"], m[4, "relay"]["upload"]
-    own1 = m[1, "relay"]["duration"]
-    paired = [
-        a["duration"] / min(b["duration"], c["duration"])
-        for a, b, c in zip(
-            rows[4, "relay"], rows[1, "relay"], rows[1, "remote_upload"], strict=True
-        )
-    ]
-    h, hu = (t4 - t1) / 3, (u4 - u1) / 3
+                + f" | {x['cpu_agents']:.2f} | {x['cpu_engines']:.2f} | {busy:.0%} |"
+            )
+    h = (m[top, "chain"]["upload"] - m[1, "chain"]["upload"]) / max(top - 1, 1)
+    print(
+        f"\nper-hop time from the chain's uploads: h = (upload(N={top}) - upload(1)) / {top - 1} "
+        f"= {h * 1e3:.1f} ms (raw TCP hop {(med(chain) - sr) / max(top - 1, 1) * 1e3:.1f} ms)"
+    )
     fixed = t1 - sr
-    print(
-        f"relay t(4)/t(1) = {t4 / t1:.2f} pooled, {t4 / own1:.2f} against relay's own N=1 "
-        f"(target <= 1.15); per run against that run's faster N=1: "
-        f"{', '.join(f'{x:.2f}' for x in paired)}; star t(4)/t(1) = "
-        f"{m[4, 'remote_upload']['duration'] / t1:.2f} pooled; "
-        f"t(4) star/relay = {m[4, 'remote_upload']['duration'] / t4:.2f}"
-    )
-    print(
-        f"per-hop pipeline latency h = (t_relay(4) - t(1)) / 3 = {h * 1e3:.1f} ms "
-        f"(against relay's own N=1: {(t4 - own1) / 3 * 1e3:.1f} ms; transfer only: "
-        f"{hu * 1e3:.1f} ms; raw TCP hop {(med(chain4) - sr) / 3 * 1e3:.1f} ms)"
-    )
-    print(
-        f"model: t(64)/t(1) = (S/R + 63 h + fixed) / (S/R + fixed) with S/R = {sr:.3f} s, "
-        f"fixed = t(1) - S/R = {fixed:.3f} s, h = {h * 1e3:.1f} ms: "
-        f"({sr:.3f} + {63 * h:.3f} + {fixed:.3f}) / ({sr:.3f} + {fixed:.3f}) = "
-        f"{(sr + 63 * h + fixed) / (sr + fixed):.2f}"
-    )
-    print(
-        f"same model with the transfer-only h = {hu * 1e3:.1f} ms (engines on separate machines "
-        f"load in parallel): ({sr:.3f} + {63 * hu:.3f} + {fixed:.3f}) / ({sr:.3f} + {fixed:.3f}) "
-        f"= {(sr + 63 * hu + fixed) / (sr + fixed):.2f}"
-    )
+    for n_model in (16, 64, 256, 4096):
+        model_rates = RelayRates(link_Bps=link, hop_s=h, fixed_s=fixed)
+        f = plan_fanout(n_model, size, model_rates)
+        print(
+            f"model ({args.rate} links, h above): N={n_model}: planned fan-out {f}, "
+            f"t = {relay_time(n_model, size, f, model_rates):.2f} s; chain "
+            f"{relay_time(n_model, size, 1, model_rates):.2f} s"
+        )
 
 
 # -- B and C: loopback ---------------------------------------------------------------------------
@@ -667,6 +655,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate", default="400mbit", help="shaped: each host's egress (tc rate)")
     ap.add_argument("--rank", type=int, default=4096, help="shaped: LoRA rank (4096 = 64 MiB)")
+    ap.add_argument("--replicas", type=int, default=8, help="shaped: replica hosts (N up to it)")
     ap.add_argument("--mib", type=int, default=1024, help="loopback/cpu: file size in MiB")
     ap.add_argument(
         "--agent-arg",
