@@ -78,6 +78,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lorafleet.protocol.relay import RelayRates, plan_fanout, relay_time
+
 MiB = 1 << 20
 DAY = 86400.0
 # Llama 3 (Meta, "The Llama 3 Herd of Models", 2024, section 3.3.4): 419 unexpected
@@ -273,25 +275,18 @@ class Costs:
         )
 
 
-def depth(n: int, fanout: int) -> int:
-    """Hops from the root to the deepest of ``n`` nodes laid out breadth-first (``_relay.tree``)."""
-    if fanout == 1:
-        return n - 1
-    d, level, covered = 0, 1, 1
-    while covered < n:
-        level *= fanout
-        covered += level
-        d += 1
-    return d
-
-
 def upload_s(c: Costs, m: Model, n: int, fanout: int) -> float:
-    """The relay's time to land one copy on each of ``n`` targets (tree of ``fanout``)."""
+    """The relay's time to land one copy on each of ``n`` targets: a tree of ``fanout``, or
+    (``fanout`` 0) the one the Publisher plans by default (``protocol/relay.plan_fanout``, told
+    the model's link and the measured receive rate and per-hop time)."""
     if n <= 0:
         return 0.0
-    link = m.link_gbps * 1e9 / 8
-    f = min(fanout, n - 1) or 1
-    return c.fixed_s + c.bytes / min(c.recv_Bps, link / f) + depth(n, fanout) * c.hop_s
+    rates = RelayRates(
+        link_Bps=m.link_gbps * 1e9 / 8, recv_Bps=c.recv_Bps, hop_s=c.hop_s, fixed_s=c.fixed_s
+    )
+    f = fanout or plan_fanout(n, c.bytes, rates)
+    # The measured fixed cost includes the first hop: the tree's levels below the root follow.
+    return relay_time(n, c.bytes, f, rates) - c.hop_s
 
 
 # Acklam's rational approximation of the standard normal quantile (relative error < 1.2e-9).
@@ -748,7 +743,8 @@ def print_inputs(inputs: dict, m: Model, c: Costs) -> None:
 
 def print_rows(rows: list[dict]) -> None:
     for f in sorted({r["fanout"] for r in rows}):
-        print(f"\nRelay fan-out {f} ({'a chain' if f == 1 else 'a tree'}):\n")
+        what = "a chain" if f == 1 else "a tree" if f else "planned by the Publisher for each N"
+        print(f"\nRelay fan-out {f or 'planned'} ({what}):\n")
         print(
             "| replicas | policy | succeed | publish p50 / p99 s | serving newest (worst 1% h) | "
             "catch-up p50 / p99 s | failures (days) | published / tried per h |"
@@ -785,7 +781,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rank", type=int, default=1024)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--fanouts", default="1,8")
+    ap.add_argument("--fanouts", default="1,8,0", help="0: the Publisher's planned fan-out")
     ap.add_argument("--days", type=float, default=180.0)
     ap.add_argument("--min-failures", type=int, default=100)
     ap.add_argument("--max-days", type=float, default=3650.0)

@@ -61,6 +61,7 @@ from typing import Any
 import psutil
 
 from _limits import make_adapters, make_file, manifest_for, med, write_fsync_rate
+from lorafleet.agent.config import AgentSettings
 from lorafleet.agent.spec import AgentSpec
 from lorafleet.bundle import AdapterBundle
 from lorafleet.clients.agent import AsyncAgentClient
@@ -269,7 +270,7 @@ def part_shaped(args: argparse.Namespace, work: Path) -> None:
             work / "data",
             token=token,
             engine_kwargs={"max_lora_rank": args.rank},
-            max_lora_rank=args.rank,
+            settings=AgentSettings(max_lora_rank=args.rank),
             extra=tuple(args.agent_arg),
         )
         routers = {n: netbed.start_router(bed, launcher, replicas[:n], token=token) for n in sizes}
