@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install SkyRL 0.4.0's client tier (its own RemoteInferenceClient, unmodified) into a cached
+# Install SkyRL 0.4.0's client tier (its own RemoteInferenceClient and its Tinker server's
+# ExternalInferenceClient, unmodified) into a cached
 # Python 3.12 venv: SkyRL needs Python >= 3.12, lorafleet's venv is 3.11. Only the client's import
 # dependencies are installed (--no-deps skyrl): the full set pulls a multi-GB CUDA torch. SkyRL's
 # client names torch types in annotations only; tests/front/skyrl_helpers.py supplies a minimal

@@ -16,7 +16,8 @@ if [ "${LORAFLEET_SKIP_SGLANG:-0}" != "1" ]; then
   export LORAFLEET_SGLANG_VENV
 fi
 if [ "${LORAFLEET_SKIP_SKYRL:-0}" != "1" ]; then
-  # SkyRL 0.4.0's client in its own Python 3.12 venv, cached (tests/front/test_skyrl*.py).
+  # SkyRL 0.4.0 (its inference client and its Tinker server's ExternalInferenceClient) in its
+  # own Python 3.12 venv, cached (tests/front/test_skyrl*.py, tests/router/test_skyrl_tinker.py).
   LORAFLEET_SKYRL_VENV="$(scripts/setup-skyrl.sh | tail -n 1)"
   export LORAFLEET_SKYRL_VENV
 fi
