@@ -15,6 +15,7 @@ import os
 import pytest
 
 import lorafleet.agent._direct as direct_mod
+import lorafleet.agent._pipe as pipe_mod
 import lorafleet.agent.adapters as adapters_mod
 from lorafleet.errors import ServiceError
 from tests.agent.test_inprocess import CFG, Node, _Valid, manifest
@@ -85,7 +86,7 @@ def test_large_file_goes_past_the_page_cache_and_lands_exact(node, writes):
     async def go():
         s = node.uploads.open(manifest("a", 1, files), node.svc.check_version)
         await node.put(s.upload_id, "adapter_config.json", CFG)  # under the floor: cached
-        assert writes == {"direct": 0, "cached": 0}
+        assert writes == {"direct": 0, "cached": len(CFG)}
         r = await put(node, s.upload_id, ragged(DATA))
         assert r.complete
         blob = node.store.blob_path(hashlib.sha256(DATA).hexdigest())
@@ -93,7 +94,7 @@ def test_large_file_goes_past_the_page_cache_and_lands_exact(node, writes):
 
     asyncio.run(go())
     assert writes["direct"] == len(DATA) - len(DATA) % 4096
-    assert writes["cached"] == len(DATA) % 4096  # only the tail under a block
+    assert writes["cached"] == len(CFG) + len(DATA) % 4096  # only the tail under a block
 
 
 def test_resume_from_an_unaligned_offset(node, writes):
@@ -161,7 +162,7 @@ def test_a_failed_direct_write_keeps_only_the_written_prefix(node, monkeypatch):
         assert err.value.status == 500
         monkeypatch.setattr(direct_mod.os, "pwrite", real)
         off = node.uploads.offset(s.upload_id, PATH)
-        assert off == direct_mod._DIRECT_BUF  # the first buffer, nothing of the one that failed
+        assert off == pipe_mod.BATCH  # the first buffer, nothing of the one that failed
         assert node.store.partial_path(s.upload_id, PATH).read_bytes()[:off] == DATA[:off]
         r = await put(node, s.upload_id, ragged(DATA[off:]), offset=off)
         assert r.complete
@@ -184,4 +185,4 @@ def test_small_files_stay_in_the_page_cache(tmp_path, monkeypatch, writes):
         asyncio.run(go())
     finally:
         n.db.close()
-    assert writes == {"direct": 0, "cached": 0}  # written with writev, no direct descriptor
+    assert writes == {"direct": 0, "cached": len(DATA)}  # no direct descriptor

@@ -286,15 +286,15 @@ async def _threads_gone(prefix: str, timeout: float = 10.0) -> None:
 
 def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypatch, tmp_path):
     monkeypatch.setattr(pipe_mod, "BATCH", 16)
-    real = pipe_mod._write_and_hash
+    real = pipe_mod._write_plain
     writing, release = threading.Event(), threading.Event()
 
-    def held(fd, parts):  # every write waits until the test has reused a descriptor
+    def held(fd, view, pos):  # every write waits until the test has reused a descriptor
         writing.set()
         release.wait(10)
-        return real(fd, parts)
+        return real(fd, view, pos)
 
-    monkeypatch.setattr(pipe_mod, "_write_and_hash", held)
+    monkeypatch.setattr(pipe_mod, "_write_plain", held)
     data = b"Z" * 160
     files = {"adapter_config.json": CFG, "adapter_model.safetensors": data}
 
@@ -340,14 +340,14 @@ def test_cancelled_put_reraises_and_never_writes_into_a_reused_fd(node, monkeypa
 
 def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
     monkeypatch.setattr(pipe_mod, "BATCH", 16)
-    real = pipe_mod._write_and_hash
+    real = pipe_mod._write_plain
     calls = {"n": 0}
 
-    def flaky(fd, parts):
+    def flaky(fd, view, pos):
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError(28, "No space left on device")
-        return real(fd, parts)
+        return real(fd, view, pos)
 
     data = bytes(range(160))
     files = {"adapter_config.json": CFG, "adapter_model.safetensors": data}
@@ -361,7 +361,7 @@ def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
     async def go():
         s = node.uploads.open(manifest("bar", 1, files), node.svc.check_version)
         await node.put(s.upload_id, "adapter_config.json", CFG)
-        monkeypatch.setattr(pipe_mod, "_write_and_hash", flaky)
+        monkeypatch.setattr(pipe_mod, "_write_plain", flaky)
         with pytest.raises((ServiceError, OSError)):
             await node.uploads.put(
                 s.upload_id,
@@ -372,7 +372,7 @@ def test_failed_write_never_yields_a_wrong_blob(node, monkeypatch):
                 repr_digest=None,
                 content_digest=None,
             )
-        monkeypatch.setattr(pipe_mod, "_write_and_hash", real)
+        monkeypatch.setattr(pipe_mod, "_write_plain", real)
         off = node.uploads.offset(s.upload_id, path)
         partial = node.store.partial_path(s.upload_id, path)
         assert partial.read_bytes() == data[:off]

@@ -76,6 +76,7 @@ def command(
     import logging
 
     from lorafleet._dirlock import DirectoryLocked, lock_directory
+    from lorafleet.agent._body import UploadHttpProtocol
     from lorafleet.agent.app import AgentConfig, create_app
     from lorafleet.launch.listen import listen_address, serve
 
@@ -116,6 +117,7 @@ def command(
             log_level=log_level,
             access_log=False,
             timeout_graceful_shutdown=5,
+            http=UploadHttpProtocol,  # uploads' bodies go straight into their buffers
         )
     finally:
         lock.release()

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from lorafleet._http import async_client
-from lorafleet.agent import _pipe
-from lorafleet.agent._direct import DirectWriter
+from lorafleet.agent._body import RawBody
+from lorafleet.agent._direct import open_direct
 from lorafleet.agent._pipe import Pipe, WriteFailed, rehash
 from lorafleet.agent._verify import check_digest, check_room, check_size
 from lorafleet.agent.limits import UploadLimits
@@ -71,7 +71,6 @@ from lorafleet.protocol.manifest import FileEntry, Manifest
 
 __all__ = ["UploadLimits", "UploadManager", "parse_sha256_digest"]
 
-_INFLIGHT = 3  # batches queued for the threads while the loop receives the next one
 _RESERVE = 1 << 30  # free disk kept back when no quota is configured
 
 log = logging.getLogger("lorafleet.agent")
@@ -318,9 +317,11 @@ class UploadManager:
         repr_digest: str | None,
         content_digest: str | None,
         peer: bool = False,
+        raw: RawBody | None = None,
     ) -> FileProgress:
         """Receive one file's bytes from ``offset``. ``peer``: sent by a relaying agent (cut off
-        after the session's ``stall_s`` without a byte)."""
+        after the session's ``stall_s`` without a byte). ``raw``: the same body, readable by
+        the transport straight into the receive buffers (used unless the bytes are teed)."""
         s = self.get(upload_id)
         f = self._file(s, path)
         entry = f.entry
@@ -363,14 +364,18 @@ class UploadManager:
             f.forwarded = True
             tee = Tee(self.relay_http(), plan.files[path], entry, plan.credential, plan.stall_s)
             direct = {t.upload_id for t in plan.files[path]}
-        if peer and s.relay is not None:
-            body = _stall_guard(body, s.relay.stall_s)
+        stall_s = s.relay.stall_s if peer and s.relay is not None else None
+        if stall_s is not None:
+            body = _stall_guard(body, stall_s)
+        # The Tee takes bytes objects it may hold on to; the ring's buffers are reused.
+        if raw is not None and (tee is not None or not raw.usable()):
+            raw = None
         f.task = asyncio.current_task()
         f.error, f.relayed = None, []
         s.touch()
         t0 = time.perf_counter()
         try:
-            return await self._receive(s, f, body, chunk_want, tee)
+            return await self._receive(s, f, body, chunk_want, tee, raw, stall_s)
         except TimeoutError:
             if not peer or s.relay is None:
                 raise
@@ -400,6 +405,8 @@ class UploadManager:
         body: AsyncIterator[bytes],
         chunk_want: str | None,
         tee: Tee | None,
+        raw: RawBody | None = None,
+        stall_s: float | None = None,
     ) -> FileProgress:
         entry = f.entry
         partial = self.store.partial_path(s.id, entry.path)
@@ -420,40 +427,45 @@ class UploadManager:
         except BaseException:
             os.close(fd)
             raise
-        direct = None
+        dfd = -1
         floor = self.limits.direct_io_min_bytes
         if floor is not None and entry.size >= floor:
-            direct = DirectWriter.open(str(partial), fd, f.offset)
+            dfd = open_direct(str(partial))
         start = received = f.offset
-        parts: list[bytes] = []
-        nbuf = 0
-        pipe = Pipe(fd, hashers, direct)  # owns fd from here: only its write thread closes it
+        # Owns fd and dfd from here: only its write thread closes them.
+        pipe = Pipe(fd, hashers, f.offset, entry.size - f.offset, dfd)
         refused = False
         cancelled = False
         try:
-            async for chunk in body:
-                if not chunk:
-                    continue
+            if raw is not None:
+                # Content-Length was checked against the declared size: no byte can be extra.
                 try:
-                    check_room(repr(entry.path), received, len(chunk), entry.size, entry.path)
-                except SizeExceeded:
-                    refused = True
-                    self.metrics.verification_failures.labels("size").inc()
-                    raise
-                if tee is not None:
-                    await tee.feed(chunk)  # the next hop gets it before this one writes it
-                received += len(chunk)
-                parts.append(chunk)
-                nbuf += len(chunk)
-                if nbuf >= _pipe.BATCH:
-                    self.metrics.bytes_received.inc(nbuf)
-                    pipe.submit(parts)
-                    parts, nbuf = [], 0
-                    s.touch()
-                    await pipe.backlog(_INFLIGHT)
+                    await raw.read_into(pipe, stall_s, s.touch)
+                finally:
+                    received = start + raw.received
+                    self.metrics.bytes_received.inc(raw.received)
                 if s.closed:
                     refused = True
                     raise UploadNotFound(f"upload {s.id} was discarded")
+            else:
+                async for chunk in body:
+                    if not chunk:
+                        continue
+                    try:
+                        check_room(repr(entry.path), received, len(chunk), entry.size, entry.path)
+                    except SizeExceeded:
+                        refused = True
+                        self.metrics.verification_failures.labels("size").inc()
+                        raise
+                    if tee is not None:
+                        await tee.feed(chunk)  # the next hop gets it before this one writes it
+                    received += len(chunk)
+                    self.metrics.bytes_received.inc(len(chunk))
+                    await pipe.feed(chunk)
+                    s.touch()
+                    if s.closed:
+                        refused = True
+                        raise UploadNotFound(f"upload {s.id} was discarded")
         except WriteFailed:
             pass  # answered below, once the written prefix is known
         finally:
@@ -461,9 +473,8 @@ class UploadManager:
             # received bytes are written, then fsync and close run on the write thread after
             # every queued write, so no write can land in a reused descriptor. A cancel that
             # arrives meanwhile is remembered and re-raised once this is done.
-            if parts and not refused:
-                self.metrics.bytes_received.inc(nbuf)
-                pipe.submit(parts)
+            if refused:
+                pipe.drop()
             cancelled = await pipe.finish()
             if refused:
                 self._reset(s, f)

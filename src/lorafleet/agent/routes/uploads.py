@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Header, Request, Response
 
 from lorafleet._service import errors
+from lorafleet.agent._body import RAW_BODY
 from lorafleet.agent.routes import AgentRoutes
 from lorafleet.protocol.agent import (
     CONTENT_DIGEST_HEADER,
@@ -111,6 +112,7 @@ def routes(ctx: AgentRoutes) -> APIRouter:
             repr_digest=repr_digest,
             content_digest=content_digest,
             peer=peer,
+            raw=request.scope.get("extensions", {}).get(RAW_BODY),
         )
 
     @api.post(
