@@ -28,10 +28,25 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lorafleet.agent._pipe import Pipe, WriteFailed
 
-__all__ = ["RAW_BODY", "RawBody", "UploadHttpProtocol"]
+__all__ = ["RAW_BODY", "RawBody", "UploadHttpProtocol", "upload_http_protocol"]
 
 RAW_BODY = "lorafleet.raw_body"
 """The key of a ``RawBody`` in ``scope["extensions"]``."""
+TESTED_UVICORN = ((0, 29), (0, 56))
+"""The uvicorn versions (from, to excluded) whose httptools protocol internals this relies on."""
+
+
+def upload_http_protocol() -> type[HttpToolsProtocol] | None:
+    """``UploadHttpProtocol`` where uvicorn is a tested version; None (uvicorn's own protocol,
+    bodies through ASGI) otherwise: a newer uvicorn costs speed, never correctness."""
+    import uvicorn
+
+    try:
+        version = tuple(int(x) for x in uvicorn.__version__.split(".")[:2])
+    except ValueError:
+        return None
+    low, high = TESTED_UVICORN
+    return UploadHttpProtocol if low <= version < high else None
 
 
 class UploadHttpProtocol(HttpToolsProtocol):
@@ -66,14 +81,17 @@ class RawBody:
     def usable(self) -> bool:
         """False when the connection is not in a state to switch (pipelined, gone, read)."""
         p, c = self.proto, self.cycle
-        return (
-            p.cycle is c
-            and not p.pipeline
-            and p.parser is not None
-            and not c.disconnected
-            and not c.response_complete
-            and self.received == 0
-        )
+        try:
+            return (
+                p.cycle is c
+                and not p.pipeline
+                and p.parser is not None
+                and not c.disconnected
+                and not c.response_complete
+                and self.received == 0
+            )
+        except AttributeError:  # a uvicorn whose internals moved: the ASGI body instead
+            return False
 
     async def read_into(
         self,

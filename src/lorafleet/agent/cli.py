@@ -76,7 +76,7 @@ def command(
     import logging
 
     from lorafleet._dirlock import DirectoryLocked, lock_directory
-    from lorafleet.agent._body import UploadHttpProtocol
+    from lorafleet.agent._body import upload_http_protocol
     from lorafleet.agent.app import AgentConfig, create_app
     from lorafleet.launch.listen import listen_address, serve
 
@@ -117,7 +117,8 @@ def command(
             log_level=log_level,
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=UploadHttpProtocol,  # uploads' bodies go straight into their buffers
+            # Uploads' bodies straight into their buffers (where uvicorn is a tested version).
+            http=upload_http_protocol() or "auto",
         )
     finally:
         lock.release()
