@@ -31,7 +31,13 @@ from lorafleet.publisher._errors import is_not_found, publish_error_class, reaso
 from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher._replica import Agent, ReplicaTxn
 from lorafleet.publisher.carrier import Carrier
-from lorafleet.publisher.result import Lagging, PublishResult, ReplicaState, Timeouts
+from lorafleet.publisher.result import (
+    Lagging,
+    PublishResult,
+    ReplicaState,
+    StepClock,
+    Timeouts,
+)
 
 __all__ = ["Publication", "lag_backoff", "to_the_end"]
 
@@ -81,8 +87,11 @@ class Publication:
         carrier: Carrier | None = None,
         skipped: Mapping[str, str] | None = None,
         lag_history: Mapping[str, LagState] | None = None,
+        clock: StepClock | None = None,
     ) -> None:
         self.plan = plan
+        self.clock = clock or StepClock()
+        """Times this publication's steps (the caller's, to add its own)."""
         self.skipped = dict(skipped or {})
         """Quorum: replicas left out before any byte moved (replica id -> why)."""
         self.lag_history = dict(lag_history or {})
@@ -118,12 +127,15 @@ class Publication:
             raise RuntimeError("a Publication runs once")
         self._started = True
         shared = self.plan.shared_path
+        step = self.clock.step
         try:
-            if shared is not None:
-                await asyncio.to_thread(self.plan.bundle.write_to, shared)
-            await self.stage_everywhere()
+            with step("stage"):
+                if shared is not None:
+                    await asyncio.to_thread(self.plan.bundle.write_to, shared)
+                await self.stage_everywhere()
             t = time.perf_counter()
-            await self.cut_over()
+            with step("cutover"):
+                await self.cut_over()
             cutover_s = time.perf_counter() - t
             serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
             t = time.perf_counter()
@@ -154,6 +166,7 @@ class Publication:
             warnings=self.warnings,
             lagging=self.lagging,
             quorum=self.plan.quorum,
+            steps=self.clock.steps,
         )
 
     # -- phase 1 --------------------------------------------------------------------------------
@@ -361,13 +374,15 @@ class Publication:
         """Record v as active on every agent, then release the older versions the router has
         drained. Never raises a replica's failure: v serves already; problems become warnings.
         Returns the versions released."""
-        outcomes = await asyncio.gather(
-            *(r.activate() for r in self.holders), return_exceptions=True
-        )
+        with self.clock.step("activate"):
+            outcomes = await asyncio.gather(
+                *(r.activate() for r in self.holders), return_exceptions=True
+            )
         for rep, out in zip(self.holders, outcomes, strict=True):
             if isinstance(out, BaseException):
                 self.warnings.append(f"{rep.id}: activate failed: {reason(out)}")
-        return await self.release_older()
+        with self.clock.step("retire"):
+            return await self.release_older()
 
     async def release_older(self) -> list[int]:
         """Release every older version of the name that is not in the retention window, once

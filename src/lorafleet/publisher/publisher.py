@@ -54,7 +54,7 @@ from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
 from lorafleet.publisher._replica import Agent
 from lorafleet.publisher._transaction import Publication, to_the_end
 from lorafleet.publisher.carrier import Carrier, relay
-from lorafleet.publisher.result import PublishResult, Timeouts
+from lorafleet.publisher.result import PublishResult, StepClock, Timeouts
 
 __all__ = ["AsyncPublisher", "ProgressCallback", "Publisher"]
 
@@ -242,28 +242,35 @@ class AsyncPublisher:
             if quorum is not None and quorum > max_replicas:
                 raise ValueError(f"min_replicas {quorum} is over max_replicas {max_replicas}")
 
+        clock = StepClock()
         # Cheap and local first: build (hash once) and validate before any byte leaves.
-        t = time.perf_counter()
-        bundle = AdapterBundle.from_any(
-            source, name=name, version=version or 1, config=config, base_model=base_model
-        )
-        build_s = time.perf_counter() - t
+        with clock.step("build"):
+            bundle = AdapterBundle.from_any(
+                source, name=name, version=version or 1, config=config, base_model=base_model
+            )
+        build_s = clock.steps["build"]
         # Engine limits (rank, slots) differ per replica; each agent enforces its own, so that
         # a refusal names the replica. Here: everything that no engine would accept.
-        bundle.validate(max_rank=max_rank).raise_for_problems(f"adapter {name!r}")
+        with clock.step("build"):
+            bundle.validate(max_rank=max_rank).raise_for_problems(f"adapter {name!r}")
 
-        async with self._name_locks[name]:
-            unreachable = await self._discover(fail=quorum is None)
-            async with self._lease(name):
-                previous, window, lag = await self._active(name)
-                version = await self._choose_version(name, version, previous)
+        with clock.step("name_lock"):
+            await self._name_locks[name].acquire()
+        try:
+            with clock.step("discover"):
+                unreachable = await self._discover(fail=quorum is None)
+            async with self._lease(name, clock):
+                with clock.step("active"):
+                    previous, window, lag = await self._active(name)
+                with clock.step("reserve"):
+                    version = await self._choose_version(name, version, previous)
                 attempt = _Attempt()
                 try:
-                    return await self._run(
+                    result = await self._run(
                         attempt, bundle, name, version, previous, window, lag, unreachable, quorum,
                         mode=mode, transfer=transfer, keep_versions=keep_versions,
                         max_staleness=max_staleness, sessions=sessions, t_start=t_start,
-                        build_s=build_s, canary=canary, max_replicas=max_replicas,
+                        build_s=build_s, canary=canary, max_replicas=max_replicas, clock=clock,
                     )  # fmt: skip
                 except BaseException:
                     if self.router is not None and not attempt.burnt:
@@ -274,6 +281,12 @@ class AsyncPublisher:
                                 self.router.release_version(name, self.holder, version)
                             )
                     raise
+        finally:
+            self._name_locks[name].release()
+        # The lease is given back: the call ends here for the caller.
+        result.steps = clock.steps
+        result.duration_s = time.perf_counter() - t_start
+        return result
 
     async def _run(
         self,
@@ -296,8 +309,10 @@ class AsyncPublisher:
         build_s: float,
         canary: Canary | None = None,
         max_replicas: int | None = None,
+        clock: StepClock | None = None,
     ) -> PublishResult:
         """The publication proper, under the lease, with its version number taken."""
+        clock = clock or StepClock()
         skipped: dict[str, str] = {}
         if quorum is not None:
             # Lagging and in its backoff: skipped without a call (a dead node costs nothing).
@@ -309,7 +324,8 @@ class AsyncPublisher:
                         f"lagging since v{st.since_version} ({st.reason}); skipped "
                         f"until {st.retry_at - now:.0f}s from now, or until caught up"
                     )
-        down = await self._down(unreachable, skip=set(skipped))
+        with clock.step("down"):
+            down = await self._down(unreachable, skip=set(skipped))
         if quorum is None and down:
             raise PublishError(
                 f"cannot publish {name!r} v{version}: some replicas are down; nothing "
@@ -328,7 +344,8 @@ class AsyncPublisher:
         if max_replicas is not None:
             placement = rendezvous(name, [a.id for a in agents])[:max_replicas]
             agents = [a for a in agents if a.id in placement]
-        await self._check_room(name, keep_versions, agents)
+        with clock.step("room"):
+            await self._check_room(name, keep_versions, agents)
         if bundle.version != version:
             bundle = bundle.with_version(version)
         plan = Plan(
@@ -361,6 +378,7 @@ class AsyncPublisher:
             carrier=self.carriers.get(transfer),
             skipped=skipped,
             lag_history=lag,
+            clock=clock,
         )
         try:
             return await publication.run(t_start=t_start, build_s=build_s)
@@ -369,14 +387,15 @@ class AsyncPublisher:
 
     # -- the lease and the version --------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _lease(self, name: str) -> AsyncIterator[None]:
+    async def _lease(self, name: str, clock: StepClock) -> AsyncIterator[None]:
         """Hold the router's publish lease on ``name`` (if there is a router), renewed while the
         body runs. Raises ``PublishInProgress`` if another holder has it."""
         if self.router is None:
             yield
             return
         try:
-            await self.router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
+            with clock.step("lease"):
+                await self.router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
         except RemoteError as exc:
             cls = publish_error_class(exc) or PublishError
             raise cls(
@@ -394,7 +413,10 @@ class AsyncPublisher:
         try:
             yield
         finally:
-            with contextlib.suppress(LorafleetError, asyncio.CancelledError):
+            with (
+                clock.step("lease_release"),
+                contextlib.suppress(LorafleetError, asyncio.CancelledError),
+            ):
                 await to_the_end(self._end_lease(name, heartbeat))
 
     async def _end_lease(self, name: str, heartbeat: asyncio.Task) -> None:
