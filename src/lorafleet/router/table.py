@@ -455,13 +455,27 @@ class AliasStore:
         )
         self._replace(name, entry.model_copy(update={"lagging": {**entry.lagging, replica_id: st}}))
 
-    def reserve(self, name: str, holder: str, version: int | None = None) -> int:
+    def reserve(
+        self,
+        name: str,
+        holder: str,
+        version: int | None = None,
+        *,
+        lease_ttl_s: float | None = None,
+    ) -> int:
         """Hand out the next version number of ``name`` to the lease ``holder``: above the
         active version and above every number handed out before (a failed attempt's number is
-        burnt unless given back). Raises ``PublishInProgress`` (another holder's lease) and
-        ``VersionConflict`` (``version`` asked for is not above them)."""
+        burnt unless given back). ``lease_ttl_s``: grant or renew the holder's lease too, in
+        the same write (both or neither). Raises ``PublishInProgress`` (another holder's lease)
+        and ``VersionConflict`` (``version`` asked for is not above them)."""
         self._check_lease(name, holder)
         entry = self.aliases.get(name)
+        if version is not None and entry is not None and version <= entry.version:
+            raise VersionConflict(
+                f"version {version} of {name!r} is not newer than the active version "
+                f"{entry.version}",
+                param="version",
+            )
         floor = max(self.reserved.get(name, 0), entry.version if entry else 0)
         if version is None:
             version = floor + 1
@@ -471,9 +485,14 @@ class AliasStore:
                 "out (a number a failed attempt used is never reused)",
                 param="version",
             )
+        leases = self.leases
+        if lease_ttl_s is not None:
+            expires = time.time() + lease_ttl_s
+            leases = {**leases, name: LeaseRecord(holder=holder, expires_at=expires)}
         self._given[name] = self.reserved.get(name, 0)
         self.reserved[name] = version
-        self._persist(self.aliases, self.log, self.seq, self.leases)
+        self._persist(self.aliases, self.log, self.seq, leases)
+        self.leases = leases
         return version
 
     def release_version(self, name: str, holder: str, version: int) -> bool:
