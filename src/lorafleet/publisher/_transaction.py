@@ -35,6 +35,7 @@ from lorafleet.publisher.result import (
     Lagging,
     PublishResult,
     ReplicaState,
+    Retirement,
     StepClock,
     Timeouts,
 )
@@ -113,10 +114,16 @@ class Publication:
         """The replicas that took v (all of them, or at least the quorum)."""
         self.routable: list[int] = [plan.version]
         """The name's routable versions after the cutover, newest first (the router's word)."""
+        self.retire_pending = False
+        """It serves; its retirement is ``finish()``'s (``run(retire_later=True)``)."""
         self._started = False
 
-    async def run(self, *, t_start: float, build_s: float) -> PublishResult:
+    async def run(
+        self, *, t_start: float, build_s: float, retire_later: bool = False
+    ) -> PublishResult:
         """Run every phase. ``t_start``: when the call began (``perf_counter``).
+        ``retire_later``: stop once v serves; ``finish()`` retires (the result's
+        ``retired_versions`` is then empty).
 
         Raises ``PublishError`` (rolled back, except when the router's answer to the flip was
         lost and its table is unreadable: the message says so), ``VersionConflict`` or
@@ -139,7 +146,10 @@ class Publication:
             cutover_s = time.perf_counter() - t
             serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
             t = time.perf_counter()
-            retired = await self.retire()
+            if retire_later:
+                self.retire_pending, retired = True, []
+            else:
+                retired = await self.retire()
             retire_s = time.perf_counter() - t
         finally:
             if shared is not None:
@@ -163,7 +173,7 @@ class Publication:
             replicas=timings,
             retired_versions=retired,
             routable_versions=self.routable,
-            warnings=self.warnings,
+            warnings=list(self.warnings),
             lagging=self.lagging,
             quorum=self.plan.quorum,
             steps=self.clock.steps,
@@ -383,6 +393,25 @@ class Publication:
                 self.warnings.append(f"{rep.id}: activate failed: {reason(out)}")
         with self.clock.step("retire"):
             return await self.release_older()
+
+    async def finish(self) -> Retirement:
+        """The retirement ``run(retire_later=True)`` left: as ``retire``, never raising; what
+        it could not do is in the answer's ``warnings`` (or ``error``)."""
+        assert self.retire_pending, "finish() follows run(retire_later=True)"
+        self.retire_pending = False
+        t = time.perf_counter()
+        before = len(self.warnings)
+        out = Retirement(name=self.plan.name, version=self.plan.version)
+        try:
+            out.retired_versions = await self.retire()
+        except BaseException as exc:  # reported, not lost: the caller logs it
+            out.error = reason(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            out.warnings = self.warnings[before:]
+            out.duration_s = time.perf_counter() - t
+        return out
 
     async def release_older(self) -> list[int]:
         """Release every older version of the name that is not in the retention window, once

@@ -16,6 +16,7 @@ __all__ = [
     "PublishResult",
     "ReplicaState",
     "ReplicaTiming",
+    "Retirement",
     "StepClock",
     "Timeouts",
 ]
@@ -24,10 +25,7 @@ __all__ = [
 STEPS = (
     "build",
     "name_lock",
-    "discover",
-    "lease",
-    "active",
-    "reserve",
+    "begin",
     "down",
     "room",
     "stage",
@@ -37,11 +35,13 @@ STEPS = (
     "lease_release",
 )
 """The steps of ``publish()`` in order: hash and validate the bundle; wait for an earlier
-publication of the name in this Publisher; learn the agents and see them answer; take the
-router's lease; read the active version; reserve the version number; check which replicas are
-down; check room on the engines; stage, load and probe on every replica; the alias flip; record
-v active on the agents; drain and release the versions that left the window; give the lease
-back."""
+publication of the name in this Publisher (or its retirement in the background); ``begin``, in
+one round trip's time: learn the agents and see them answer, the router's lease with the version
+number and the active version (one call), the router's view of the replicas, the agents'
+adapter lists; check the replicas the router sees down; check room on the engines; stage, load
+and probe on every replica; the alias flip; record v active on the agents; drain and release the
+versions that left the window; give the lease back. With ``retire_in_background`` the last
+three run after ``publish()`` returns (``Retirement``)."""
 
 
 class StepClock:
@@ -137,7 +137,8 @@ class PublishResult:
     serving_s: float
     """From the call to the moment every new request resolves to this version."""
     retire_s: float
-    """Recording v as active, draining v-1 and releasing older versions (after serving)."""
+    """Recording v as active, draining v-1 and releasing older versions (after serving); 0 when
+    that runs in the background (``Retirement``)."""
     bytes_sent: int
     """Bytes that left the Publisher in all (the trainer's egress)."""
     active_version: int
@@ -168,6 +169,29 @@ class PublishResult:
     def overhead_s(self) -> float:
         """``duration_s`` minus ``critical_s``: what the Publisher and router add."""
         return self.duration_s - self.critical_s
+
+
+@dataclass
+class Retirement:
+    """What a retirement run in the background did (``Publisher(retire_in_background=True)``):
+    v recorded active on every agent, the versions that left the window drained at the router
+    and then released, the lease given back."""
+
+    name: str
+    version: int
+    """The publication it followed."""
+    retired_versions: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What it could not do (a version that stays loaded, an agent that did not answer)."""
+    duration_s: float = 0.0
+    error: str | None = None
+    """It stopped short (an unexpected error, or it was cancelled): versions may stay loaded
+    until a later publication releases them."""
+
+    @property
+    def ok(self) -> bool:
+        """Everything it had to do was done."""
+        return self.error is None and not self.warnings
 
 
 @dataclass(frozen=True)
