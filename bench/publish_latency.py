@@ -37,8 +37,10 @@ from pathlib import Path
 import httpx
 
 from lorafleet.launch import Launcher, Server
+from lorafleet.protocol.router import AliasEvent
 from lorafleet.publisher import Publisher
 from lorafleet.publisher.result import STEPS, PublishResult
+from lorafleet.router.table import AliasStore
 from lorafleet.testing import (
     ALL_LINEAR,
     greedy_completion,
@@ -68,6 +70,18 @@ def p90(xs: list[float]) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, -(-9 * len(s) // 10) - 1))]
+
+
+def prefill_log(state_dir: Path, events: int) -> None:
+    """A router state file whose flip log holds ``events`` events of another name (a router
+    that has served many publications: every write of its state carries the log)."""
+    store = AliasStore(state_dir)
+    store.log = [
+        AliasEvent(seq=i, ts=time.time(), name="history", version=i, engine_name=f"history@v{i}")
+        for i in range(1, events + 1)
+    ]
+    store.seq = events
+    store.acquire_lease("history", "bench", 1)  # writes the file
 
 
 def print_steps(results: list[PublishResult]) -> None:
@@ -129,6 +143,7 @@ def run_fleet(
     replicas: int | None = None,
     republish: bool = False,
     publisher_kw: dict | None = None,
+    router_log: int = 0,
 ) -> None:
     model = ensure_tiny_model()
     launcher = Launcher(work / f"logs-{kind}")
@@ -181,6 +196,8 @@ def run_fleet(
             )
             for i, e in enumerate(engines)
         ]
+        if router_log:
+            prefill_log(work / f"{kind}-router", router_log)
         router = start_router(
             launcher,
             agents,
@@ -266,10 +283,31 @@ def main() -> None:
     ap.add_argument(
         "--republish", action="store_true", help="publish the same bytes every time (deduplicated)"
     )
+    ap.add_argument(
+        "--retire-in-background",
+        action="store_true",
+        help="Publisher(retire_in_background=True): publish() returns at the flip",
+    )
+    ap.add_argument(
+        "--router-log",
+        type=int,
+        default=0,
+        help="start the router with this many events in its flip log (a long-lived router's)",
+    )
     a = ap.parse_args()
+    kw = {"retire_in_background": True} if a.retire_in_background else None
     with tempfile.TemporaryDirectory(prefix="lf-bench-publish-") as tmp:
         for kind in a.fleets.split(","):
-            run_fleet(kind, a.n, a.n_large, Path(tmp), replicas=a.replicas, republish=a.republish)
+            run_fleet(
+                kind,
+                a.n,
+                a.n_large,
+                Path(tmp),
+                replicas=a.replicas,
+                republish=a.republish,
+                publisher_kw=kw,
+                router_log=a.router_log,
+            )
 
 
 if __name__ == "__main__":
