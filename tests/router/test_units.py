@@ -62,6 +62,24 @@ def test_store_persists_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left
 
 
+def test_a_reservation_takes_the_lease_in_the_same_write_or_nothing(tmp_path):
+    s = AliasStore(tmp_path)
+    assert s.reserve("p", "a", lease_ttl_s=60) == 1
+    again = AliasStore(tmp_path)  # both are durable
+    assert again.lease_of("p").holder == "a" and again.reserved["p"] == 1
+    with pytest.raises(ServiceError) as ei:
+        s.reserve("p", "b", lease_ttl_s=60)
+    assert ei.value.code == "publish_in_progress"
+    s.set_alias("p", 1, "p@v1", ["r0"], lease_holder="a")
+    s.release_lease("p", "a")
+    # A number that is not newer is refused, and the lease is not taken either.
+    with pytest.raises(ServiceError) as ei:
+        s.reserve("p", "b", 1, lease_ttl_s=60)
+    assert ei.value.code == "version_conflict"
+    assert "not newer than the active version 1" in ei.value.message
+    assert s.lease_of("p") is None and AliasStore(tmp_path).lease_of("p") is None
+
+
 def test_the_written_log_follows_appends_trims_and_deletions(tmp_path, monkeypatch):
     # The state file's log is extended, not serialized again, at each write: what a restart
     # reads must still be the log, exactly, as it is appended to and capped.

@@ -147,10 +147,10 @@ class Publication:
             serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
             t = time.perf_counter()
             if retire_later:
-                self.retire_pending, retired = True, []
+                self.retire_pending, retired, retire_s = True, [], 0.0
             else:
                 retired = await self.retire()
-            retire_s = time.perf_counter() - t
+                retire_s = time.perf_counter() - t
         finally:
             if shared is not None:
                 # The agents ingested their own copies; this one was only the hand-over.
