@@ -11,10 +11,18 @@ request answers with the new version. Interleaved with the publications it times
 
 "serving" is the Publisher's own mark: the moment the router's alias points at the new version on
 every replica (what follows is bookkeeping: recording it active, draining and releasing v-1).
-overhead = time to serving - max over replicas of (transfer + engine load). Target for the small
-adapter: <= 50 ms p50.
+overhead to serving = time to serving - max over replicas of (transfer + engine load). Target for
+the small adapter: <= 50 ms p50.
+
+The small-publication view (the async-RL case: small adapters, often): per publication,
+overhead = publish() time - (transfer + verification + load + probe of the slowest replica),
+its p50 and p90 beside the 10 ms goal, and every step of ``publish()`` (``PublishResult.steps``:
+plan, lease, reservation, stage, cutover, activate, retire, lease release...). ``--republish``
+sends the same bytes every time (each agent holds them all: nothing but the session is sent),
+``--replicas`` sizes the fleet (the issue's case: ``--replicas 2 --republish``).
 
 Usage: python bench/publish_latency.py [--fleets reference,vllm] [--n 15] [--n-large 3]
+       [--replicas N] [--republish]
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ from pathlib import Path
 import httpx
 
 from lorafleet.launch import Launcher, Server
+from lorafleet.protocol.router import AliasEvent
 from lorafleet.publisher import Publisher
+from lorafleet.publisher.result import STEPS, PublishResult
+from lorafleet.router.table import AliasStore
 from lorafleet.testing import (
     ALL_LINEAR,
     greedy_completion,
@@ -44,8 +55,68 @@ from lorafleet.tinymodel import ensure_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
+GOAL_MS = 10.0
+"""The goal for the overhead of a small publication (the issue): publish() time beyond the
+slowest replica's transfer + verification + load + probe."""
+
+
 def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def p90(xs: list[float]) -> float:
+    """The nearest-rank 90th percentile (of 15 samples: the 14th)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, -(-9 * len(s) // 10) - 1))]
+
+
+def prefill_log(state_dir: Path, events: int) -> None:
+    """A router state file whose flip log holds ``events`` events of another name (a router
+    that has served many publications: every write of its state carries the log)."""
+    store = AliasStore(state_dir)
+    store.log = [
+        AliasEvent(seq=i, ts=time.time(), name="history", version=i, engine_name=f"history@v{i}")
+        for i in range(1, events + 1)
+    ]
+    store.seq = events
+    store.acquire_lease("history", "bench", 1)  # writes the file
+
+
+def print_steps(results: list[PublishResult]) -> None:
+    """The small-publication view: overhead per publication and every step, p50 / p90 in ms."""
+    over = [r.overhead_s * 1e3 for r in results]
+    total = [r.duration_s * 1e3 for r in results]
+    crit = [r.critical_s * 1e3 for r in results]
+    print(
+        f"  publish() {p50(total):.1f} / {p90(total):.1f} | slowest replica's transfer + verify + "
+        f"load + probe {p50(crit):.1f} / {p90(crit):.1f}   (p50 / p90 ms)"
+    )
+    print(
+        f"  overhead = publish() - (transfer + verify + load + probe of the slowest replica): "
+        f"p50 {p50(over):.1f} ms, p90 {p90(over):.1f} ms  (goal < {GOAL_MS:g} ms: "
+        f"{'met' if p50(over) < GOAL_MS else 'NOT met'} at p50, "
+        f"{'met' if p90(over) < GOAL_MS else 'NOT met'} at p90)"
+    )
+    print("  per publication, overhead ms: " + " ".join(f"{x:.1f}" for x in over))
+    names = [k for k in STEPS if any(k in r.steps for r in results)]
+    names += sorted({k for r in results for k in r.steps} - set(names))
+    cells = []
+    for k in names:
+        xs = [r.steps.get(k, 0.0) * 1e3 for r in results]
+        cells.append(f"{k} {p50(xs):.1f}/{p90(xs):.1f}")
+    print("  steps p50/p90 ms: " + " | ".join(cells))
+    unaccounted = [(r.duration_s - sum(r.steps.values())) * 1e3 for r in results]
+    print(f"  not in any step (argument checks): p50 {p50(unaccounted):.2f} ms")
+    parts = ("open_s", "upload_s", "verify_s", "load_s", "probe_s")
+    cells = []
+    for part in parts:
+        xs = [max(getattr(t, part) for t in r.replicas.values()) * 1e3 for r in results]
+        cells.append(f"{part[:-2]} {p50(xs):.1f}/{p90(xs):.1f}")
+    print("  replicas (max over replicas) p50/p90 ms: " + " | ".join(cells))
+    sent = [r.bytes_sent for r in results]
+    print(f"  bytes sent per publication: max {max(sent)}")
 
 
 def raw_load_s(engine: Server, adapter: Path, tag: str) -> float:
@@ -63,7 +134,17 @@ def raw_load_s(engine: Server, adapter: Path, tag: str) -> float:
     return dt
 
 
-def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
+def run_fleet(
+    kind: str,
+    n: int,
+    n_large: int,
+    work: Path,
+    *,
+    replicas: int | None = None,
+    republish: bool = False,
+    publisher_kw: dict | None = None,
+    router_log: int = 0,
+) -> None:
     model = ensure_tiny_model()
     launcher = Launcher(work / f"logs-{kind}")
     try:
@@ -90,12 +171,18 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
             k: sum(f.stat().st_size for f in v[0].iterdir() if f.name.startswith("adapter_"))
             for k, v in adapters.items()
         }
+        if republish:
+            # The async-RL republish: the same bytes every time, all deduplicated on the agents.
+            adapters = {k: [v[0]] * len(v) for k, v in adapters.items()}
         if kind == "reference":
             engines = [
-                start_reference_engine(launcher, model, max_lora_rank=large_rank) for _ in range(4)
+                start_reference_engine(launcher, model, max_lora_rank=large_rank)
+                for _ in range(replicas or 4)
             ]
         else:
-            engines = [start_vllm(launcher, model, max_lora_rank=large_rank) for _ in range(2)]
+            engines = [
+                start_vllm(launcher, model, max_lora_rank=large_rank) for _ in range(replicas or 2)
+            ]
         token = secrets.token_urlsafe(12)
         agents = [
             start_agent(
@@ -109,6 +196,8 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
             )
             for i, e in enumerate(engines)
         ]
+        if router_log:
+            prefill_log(work / f"{kind}-router", router_log)
         router = start_router(
             launcher,
             agents,
@@ -116,11 +205,17 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
             token=token,
             extra=["--health-interval", "0.2"],
         )
-        print(f"\n== {kind}: {len(engines)} replicas ==")
-        with Publisher([a.url for a in agents], router=router.url, token=token) as pub:
+        print(
+            f"\n== {kind}: {len(engines)} replicas{', republish of identical bytes' * republish}"
+            f"{', ' + str(publisher_kw) if publisher_kw else ''} =="
+        )
+        with Publisher(
+            [a.url for a in agents], router=router.url, token=token, **(publisher_kw or {})
+        ) as pub:
             for label, reps in (("small", n), ("large", n_large)):
                 rows = []
                 raw = []
+                results: list[PublishResult] = []
                 for i in range(reps + 1):  # the first publication of each size warms up
                     raw_t = raw_load_s(engines[i % len(engines)], adapters[label][i], label)
                     t0 = time.perf_counter()
@@ -135,6 +230,7 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
                     t_serving = time.perf_counter() - t0
                     if i == 0:
                         continue
+                    results.append(res)
                     raw.append(raw_t)
                     reps_t = res.replicas.values()
                     critical = max(r.upload_s + r.load_s for r in reps_t)
@@ -152,6 +248,8 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
                             "overhead": res.serving_s - critical,
                         }
                     )
+                if not rows:
+                    continue
                 med = {k: p50([r[k] for r in rows]) * 1e3 for k in rows[0]}
                 print(
                     f"{label} adapter ({sizes[label] / 2**20:.2f} MiB, n={len(rows)}), p50 in ms:"
@@ -171,6 +269,7 @@ def run_fleet(kind: str, n: int, n_large: int, work: Path) -> None:
                     f"(ratio total / (transfer + load) "
                     f"{med['to_serving'] / (med['transfer'] + med['load']):.2f})"
                 )
+                print_steps(results)
     finally:
         launcher.stop_all()
 
@@ -180,10 +279,35 @@ def main() -> None:
     ap.add_argument("--fleets", default="reference,vllm")
     ap.add_argument("--n", type=int, default=15)
     ap.add_argument("--n-large", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=None, help="default: 4 reference, 2 vllm")
+    ap.add_argument(
+        "--republish", action="store_true", help="publish the same bytes every time (deduplicated)"
+    )
+    ap.add_argument(
+        "--retire-in-background",
+        action="store_true",
+        help="Publisher(retire_in_background=True): publish() returns at the flip",
+    )
+    ap.add_argument(
+        "--router-log",
+        type=int,
+        default=0,
+        help="start the router with this many events in its flip log (a long-lived router's)",
+    )
     a = ap.parse_args()
+    kw = {"retire_in_background": True} if a.retire_in_background else None
     with tempfile.TemporaryDirectory(prefix="lf-bench-publish-") as tmp:
         for kind in a.fleets.split(","):
-            run_fleet(kind, a.n, a.n_large, Path(tmp))
+            run_fleet(
+                kind,
+                a.n,
+                a.n_large,
+                Path(tmp),
+                replicas=a.replicas,
+                republish=a.republish,
+                publisher_kw=kw,
+                router_log=a.router_log,
+            )
 
 
 if __name__ == "__main__":

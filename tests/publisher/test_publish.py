@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -12,7 +13,13 @@ import httpx
 import pytest
 
 from lorafleet.bundle import AdapterBundle
-from lorafleet.errors import AdapterInvalid, PublishError, PublishInProgress, VersionConflict
+from lorafleet.errors import (
+    AdapterInvalid,
+    PublishError,
+    PublishInProgress,
+    TransportError,
+    VersionConflict,
+)
 from lorafleet.launch import Launcher
 from lorafleet.publisher import Publisher
 from lorafleet.testing import (
@@ -21,6 +28,7 @@ from lorafleet.testing import (
     make_peft_adapter,
     make_peft_model,
     merged_greedy_ids,
+    wait_until,
 )
 from tests.fleets import Fleet
 
@@ -161,12 +169,106 @@ def test_republish_dedups_and_retires_old_version(fleet2, name, adapters):
         r3 = pub.publish(str(adapters["b"]), name=name)
     assert (r1.version, r2.version, r3.version) == (1, 2, 3)
     assert all(t.files_deduplicated == 2 and t.bytes_sent == 0 for t in r2.replicas.values())
+    assert all(t.files_sent == 0 and 0 < t.open_s <= t.upload_s for t in r2.replicas.values())
     assert r2.retired_versions == [1] and r3.retired_versions == [2]
+    # The breakdown accounts for the whole call: its steps, back to back, add up to it.
+    for r in (r1, r2, r3):
+        assert {"build", "begin", "stage", "cutover", "activate", "retire", "lease_release"} <= set(
+            r.steps
+        )
+        assert 0 <= r.duration_s - sum(r.steps.values()) < 0.01 + 0.02 * r.duration_s, r.steps
+        assert r.overhead_s == pytest.approx(r.duration_s - r.critical_s)
+        assert r.steps["stage"] >= r.critical_s
     for i in range(2):
         held = {(a["name"], a["version"], a["state"]) for a in fleet2.adapters(i, name)}
         assert held == {(name, 3, "active")}
         assert f"{name}@v1" not in fleet2.engine_models(i)
     assert _alias(fleet2, name)["version"] == 3
+
+
+def test_retire_in_background_drains_before_release_and_reports_failures(fleet2, name, adapters):
+    calls: list[tuple[str, int]] = []
+    gate = threading.Event()
+    fail_next_drain = threading.Event()
+    with Publisher(
+        fleet2.agent_urls,
+        router=fleet2.router.url,
+        token=fleet2.token,
+        retire_in_background=True,
+    ) as pub:
+        inner = pub._async
+        assert inner.router is not None
+        drain, router = inner.router.drain, inner.router
+
+        async def gated_drain(n: str, v: int, wait: float):
+            calls.append(("drain", v))
+            for _ in range(3000):  # hold the retirement until the test has looked
+                if gate.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            if fail_next_drain.is_set():
+                calls[-1] = ("drain failed", v)
+                raise TransportError("the router went away")
+            return await drain(n, v, wait)
+
+        router.drain = gated_drain  # type: ignore[method-assign]
+        for agent in inner._agents:
+            unload = agent.client.unload
+
+            async def logged_unload(n: str, v: int, _unload=unload):
+                calls.append(("unload", v))
+                return await _unload(n, v)
+
+            agent.client.unload = logged_unload  # type: ignore[method-assign]
+
+        r1 = pub.publish(str(adapters["a"]), name=name)
+        r2 = pub.publish(str(adapters["b"]), name=name)
+        assert r2.retired_versions == [] and r2.retire_s == 0.0
+        assert "retire" not in r2.steps and "lease_release" not in r2.steps
+        # publish() returned at the flip, with v1's drain still to come or held: nothing of
+        # v1 is released before its drain is through.
+        wait_until(lambda: calls, message="the retirement's drain")
+        assert calls == [("drain", 1)]
+        assert routed_greedy(fleet2.router, name)[1]["lorafleet"]["version"] == 2
+        gate.set()
+        first, retired = pub.retirements()
+        assert (first.version, first.retired_versions, first.ok) == (1, [], True)
+        assert (retired.version, retired.retired_versions, retired.ok) == (2, [1], True)
+        assert calls == [("drain", 1), ("unload", 1), ("unload", 1)]
+        for i in range(2):
+            assert {(a["version"], a["state"]) for a in fleet2.adapters(i, name)} == {(2, "active")}
+        # The lease was given back after the retirement: another holder may take it.
+        httpx.post(
+            f"{fleet2.router.url}/v1/control/leases/{name}",
+            json={"holder": "someone-else", "ttl_s": 1},
+            headers={"Authorization": f"Bearer {fleet2.token}"},
+        ).raise_for_status()
+        httpx.delete(
+            f"{fleet2.router.url}/v1/control/leases/{name}/someone-else",
+            headers={"Authorization": f"Bearer {fleet2.token}"},
+        ).raise_for_status()
+
+        # A retirement that falls short: v2 is not released (not drained), and that is
+        # reported by retirements() and in the next publication's warnings, not lost.
+        gate.clear()
+        fail_next_drain.set()
+        r3 = pub.publish(str(adapters["a"]), name=name)
+        assert r3.version == 3
+        gate.set()
+        [short] = pub.retirements()
+        assert short.version == 3 and short.retired_versions == [] and not short.ok
+        assert any("drain of v2 failed" in w for w in short.warnings), short.warnings
+        fail_next_drain.clear()
+        r4 = pub.publish(str(adapters["b"]), name=name)
+        assert any("retirement after v3: drain of v2 failed" in w for w in r4.warnings)
+    # Closing waited for the last retirement; every release came after a drain that went through.
+    for i, (what, v) in enumerate(calls):
+        if what == "unload":
+            assert ("drain", v) in calls[:i], calls
+    assert ("drain failed", 2) in calls and ("unload", 2) in calls
+    for i in range(2):
+        assert {(a["version"], a["state"]) for a in fleet2.adapters(i, name)} == {(4, "active")}
+    assert r1.version == 1
 
 
 def _assert_v1_still_serving_and_v2_nowhere(fleet, tiny_model, adapter_v1, name="policy"):

@@ -62,6 +62,40 @@ def test_store_persists_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left
 
 
+def test_a_reservation_takes_the_lease_in_the_same_write_or_nothing(tmp_path):
+    s = AliasStore(tmp_path)
+    assert s.reserve("p", "a", lease_ttl_s=60) == 1
+    again = AliasStore(tmp_path)  # both are durable
+    assert again.lease_of("p").holder == "a" and again.reserved["p"] == 1
+    with pytest.raises(ServiceError) as ei:
+        s.reserve("p", "b", lease_ttl_s=60)
+    assert ei.value.code == "publish_in_progress"
+    s.set_alias("p", 1, "p@v1", ["r0"], lease_holder="a")
+    s.release_lease("p", "a")
+    # A number that is not newer is refused, and the lease is not taken either.
+    with pytest.raises(ServiceError) as ei:
+        s.reserve("p", "b", 1, lease_ttl_s=60)
+    assert ei.value.code == "version_conflict"
+    assert "not newer than the active version 1" in ei.value.message
+    assert s.lease_of("p") is None and AliasStore(tmp_path).lease_of("p") is None
+
+
+def test_the_written_log_follows_appends_trims_and_deletions(tmp_path, monkeypatch):
+    # The state file's log is extended, not serialized again, at each write: what a restart
+    # reads must still be the log, exactly, as it is appended to and capped.
+    monkeypatch.setattr("lorafleet.router.table.MAX_LOG", 5)
+    s = AliasStore(tmp_path)
+    s.acquire_lease("p", "a", 60)
+    for i in range(12):
+        v = s.reserve("p", "a")
+        s.set_alias("p", v, f"p@v{v}", ["r0"], lease_holder="a")
+        if i % 4 == 3:
+            s.delete_alias("p", "a")
+        again = AliasStore(tmp_path)
+        assert again.log == s.log and again.seq == s.seq and len(again.log) <= 5
+    assert [e.seq for e in AliasStore(tmp_path).log] == list(range(s.seq - 4, s.seq + 1))
+
+
 def test_balancer_fewest_outstanding_and_sessions():
     b = Balancer(["http://a", "http://b"])
     for i, r in enumerate(b.replicas):

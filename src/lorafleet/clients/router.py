@@ -172,11 +172,22 @@ class AsyncRouterClient:
 
     async def reserve(self, name: str, holder: str, version: int | None = None) -> int:
         """The next version number of ``name`` (never handed out twice; see the router)."""
-        body = ReserveRequest(holder=holder, version=version).model_dump()
+        return (await self.begin(name, holder, version)).version
+
+    async def begin(
+        self,
+        name: str,
+        holder: str,
+        version: int | None = None,
+        lease_ttl_s: float | None = None,
+    ) -> Reservation:
+        """A version number of ``name``, with ``lease_ttl_s`` the lease too, in one durable
+        step; the answer carries the name's alias (a publication's plan in one round trip)."""
+        body = ReserveRequest(holder=holder, version=version, lease_ttl_s=lease_ttl_s).model_dump()
         r = await self._call(
             "POST", f"/v1/control/aliases/{quote(name, safe='')}/reserve", json=body
         )
-        return Reservation.model_validate_json(r.content).version
+        return Reservation.model_validate_json(r.content)
 
     async def release_version(self, name: str, holder: str, version: int) -> None:
         """Give ``version`` back: the attempt that took it reached no engine."""

@@ -33,7 +33,8 @@ Control plane (the control token, separate from the inference key)::
     DELETE /v1/control/replicas/{replica_id}?drain_s=  -> ReplicaStatus (off every version
                                                first, drained, then forgotten)
     POST   /v1/control/aliases/{name}/reserve  ReserveRequest -> Reservation (the next version
-                                               number, never handed out twice)
+                                               number, never handed out twice; with the lease
+                                               and the alias: a publication's first call)
     DELETE /v1/control/aliases/{name}/reserve/{version}?holder=  -> 204 (give back a number
                                                whose attempt reached no engine)
     POST   /v1/control/aliases/{name}/warm     WarmRequest -> WarmResult (place a cold version:
@@ -307,11 +308,19 @@ class ReserveRequest(_Model):
     holder: LeaseHolder
     version: Version | None = None
     """A number asked for; refused (409) unless above every number handed out before."""
+    lease_ttl_s: float | None = Field(default=None, gt=0, le=86400)
+    """Also take (or renew) the holder's lease for this long, in the same durable write: a
+    publication's first call. None: the holder must hold the lease already, or nobody."""
 
 
 class Reservation(_Model):
     name: str
     version: int
+    entry: AliasEntry | None = None
+    """The name's alias when the number was handed out (None: never published): the active
+    version a publication compares and sets against, its window and its lagging replicas."""
+    replicas: list[ReplicaStatus] | None = None
+    """With ``lease_ttl_s``: the router's view of the replicas (``GET /v1/control/replicas``)."""
 
 
 class AddReplicaRequest(_Model):

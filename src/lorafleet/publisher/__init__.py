@@ -1,7 +1,13 @@
 """The trainer-side Publisher: atomic, versioned publication to every replica."""
 
 from lorafleet.publisher.publisher import AsyncPublisher, ProgressCallback, Publisher
-from lorafleet.publisher.result import PublishResult, ReplicaState, ReplicaTiming, Timeouts
+from lorafleet.publisher.result import (
+    PublishResult,
+    ReplicaState,
+    ReplicaTiming,
+    Retirement,
+    Timeouts,
+)
 
 __all__ = [
     "AsyncPublisher",
@@ -10,5 +16,6 @@ __all__ = [
     "Publisher",
     "ReplicaState",
     "ReplicaTiming",
+    "Retirement",
     "Timeouts",
 ]

@@ -138,6 +138,7 @@ class ReplicaTxn:
         t = time.perf_counter()
         if self.plan.transfer == "remote_upload":
             await self.open()
+            timing.open_s = time.perf_counter() - t
             for path in self.missing:
                 await self.send(bundle.manifest.file(path))
             timing.upload_s = time.perf_counter() - t

@@ -31,7 +31,14 @@ from lorafleet.publisher._errors import is_not_found, publish_error_class, reaso
 from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher._replica import Agent, ReplicaTxn
 from lorafleet.publisher.carrier import Carrier
-from lorafleet.publisher.result import Lagging, PublishResult, ReplicaState, Timeouts
+from lorafleet.publisher.result import (
+    Lagging,
+    PublishResult,
+    ReplicaState,
+    Retirement,
+    StepClock,
+    Timeouts,
+)
 
 __all__ = ["Publication", "lag_backoff", "to_the_end"]
 
@@ -81,8 +88,11 @@ class Publication:
         carrier: Carrier | None = None,
         skipped: Mapping[str, str] | None = None,
         lag_history: Mapping[str, LagState] | None = None,
+        clock: StepClock | None = None,
     ) -> None:
         self.plan = plan
+        self.clock = clock or StepClock()
+        """Times this publication's steps (the caller's, to add its own)."""
         self.skipped = dict(skipped or {})
         """Quorum: replicas left out before any byte moved (replica id -> why)."""
         self.lag_history = dict(lag_history or {})
@@ -104,10 +114,16 @@ class Publication:
         """The replicas that took v (all of them, or at least the quorum)."""
         self.routable: list[int] = [plan.version]
         """The name's routable versions after the cutover, newest first (the router's word)."""
+        self.retire_pending = False
+        """It serves; its retirement is ``finish()``'s (``run(retire_later=True)``)."""
         self._started = False
 
-    async def run(self, *, t_start: float, build_s: float) -> PublishResult:
+    async def run(
+        self, *, t_start: float, build_s: float, retire_later: bool = False
+    ) -> PublishResult:
         """Run every phase. ``t_start``: when the call began (``perf_counter``).
+        ``retire_later``: stop once v serves; ``finish()`` retires (the result's
+        ``retired_versions`` is then empty).
 
         Raises ``PublishError`` (rolled back, except when the router's answer to the flip was
         lost and its table is unreadable: the message says so), ``VersionConflict`` or
@@ -118,17 +134,23 @@ class Publication:
             raise RuntimeError("a Publication runs once")
         self._started = True
         shared = self.plan.shared_path
+        step = self.clock.step
         try:
-            if shared is not None:
-                await asyncio.to_thread(self.plan.bundle.write_to, shared)
-            await self.stage_everywhere()
+            with step("stage"):
+                if shared is not None:
+                    await asyncio.to_thread(self.plan.bundle.write_to, shared)
+                await self.stage_everywhere()
             t = time.perf_counter()
-            await self.cut_over()
+            with step("cutover"):
+                await self.cut_over()
             cutover_s = time.perf_counter() - t
             serving_s = time.perf_counter() - t_start  # new requests resolve to v from here on
             t = time.perf_counter()
-            retired = await self.retire()
-            retire_s = time.perf_counter() - t
+            if retire_later:
+                self.retire_pending, retired, retire_s = True, [], 0.0
+            else:
+                retired = await self.retire()
+                retire_s = time.perf_counter() - t
         finally:
             if shared is not None:
                 # The agents ingested their own copies; this one was only the hand-over.
@@ -151,9 +173,10 @@ class Publication:
             replicas=timings,
             retired_versions=retired,
             routable_versions=self.routable,
-            warnings=self.warnings,
+            warnings=list(self.warnings),
             lagging=self.lagging,
             quorum=self.plan.quorum,
+            steps=self.clock.steps,
         )
 
     # -- phase 1 --------------------------------------------------------------------------------
@@ -361,13 +384,34 @@ class Publication:
         """Record v as active on every agent, then release the older versions the router has
         drained. Never raises a replica's failure: v serves already; problems become warnings.
         Returns the versions released."""
-        outcomes = await asyncio.gather(
-            *(r.activate() for r in self.holders), return_exceptions=True
-        )
+        with self.clock.step("activate"):
+            outcomes = await asyncio.gather(
+                *(r.activate() for r in self.holders), return_exceptions=True
+            )
         for rep, out in zip(self.holders, outcomes, strict=True):
             if isinstance(out, BaseException):
                 self.warnings.append(f"{rep.id}: activate failed: {reason(out)}")
-        return await self.release_older()
+        with self.clock.step("retire"):
+            return await self.release_older()
+
+    async def finish(self) -> Retirement:
+        """The retirement ``run(retire_later=True)`` left: as ``retire``, never raising; what
+        it could not do is in the answer's ``warnings`` (or ``error``)."""
+        assert self.retire_pending, "finish() follows run(retire_later=True)"
+        self.retire_pending = False
+        t = time.perf_counter()
+        before = len(self.warnings)
+        out = Retirement(name=self.plan.name, version=self.plan.version)
+        try:
+            out.retired_versions = await self.retire()
+        except BaseException as exc:  # reported, not lost: the caller logs it
+            out.error = reason(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            out.warnings = self.warnings[before:]
+            out.duration_s = time.perf_counter() - t
+        return out
 
     async def release_older(self) -> list[int]:
         """Release every older version of the name that is not in the retention window, once

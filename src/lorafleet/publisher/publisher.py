@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -44,22 +45,24 @@ from lorafleet.errors import (
     TransportError,
     VersionConflict,
 )
-from lorafleet.protocol.agent import MAX_FANOUT, AdapterState
+from lorafleet.protocol.agent import MAX_FANOUT, AdapterRecord, AdapterState
 from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.names import check_name
 from lorafleet.protocol.placement import rendezvous
 from lorafleet.protocol.relay import RelayRates
-from lorafleet.protocol.router import LagState, SessionPolicy
+from lorafleet.protocol.router import LagState, ReplicaList, SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
 from lorafleet.publisher._replica import Agent
 from lorafleet.publisher._transaction import Publication, to_the_end
 from lorafleet.publisher.carrier import Carrier, relay
-from lorafleet.publisher.result import PublishResult, Timeouts
+from lorafleet.publisher.result import PublishResult, Retirement, StepClock, Timeouts
 
 __all__ = ["AsyncPublisher", "ProgressCallback", "Publisher"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("lorafleet.publisher")
 
 
 class AsyncPublisher:
@@ -90,8 +93,16 @@ class AsyncPublisher:
         relay_stall_s: float = 10.0,
         relay_rates: RelayRates | None = None,
         carriers: Mapping[str, Carrier] | None = None,
+        retire_in_background: bool = False,
     ) -> None:
         """Raises ``ValueError`` without agents. Connects to nothing until the first call.
+
+        ``retire_in_background``: ``publish()`` returns once v serves (the alias flip); v is
+        recorded active and the versions that left the window are drained and released after,
+        under the lease, which is given back then. The next publication of the name waits for
+        that (as it waits for the one before it), so nothing changes for the fleet, only when
+        the call returns; the outcome is logged, added to the next result's ``warnings`` where
+        it fell short, and returned by ``retirements()``. ``retired_versions`` is then empty.
 
         ``verify``: before the cutover, each agent checks that its engine applies the new
         version, asked the way the router will ask (``AdapterNotApplied`` fails the replica).
@@ -134,6 +145,12 @@ class AsyncPublisher:
         )
         # One lock per name: a publication of a name waits for the one before it (see above).
         self._name_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.retire_in_background = retire_in_background
+        self._retiring: set[asyncio.Task[Retirement]] = set()
+        self._retired: list[Retirement] = []
+        """Background retirements done and not yet returned by ``retirements()``."""
+        self._shortfalls: dict[str, list[str]] = {}
+        """name -> what its last background retirement could not do (the next result's)."""
 
     def default_transfer(self) -> str:
         """``relay`` when the agents are on two or more hosts, else ``remote_upload``.
@@ -147,8 +164,18 @@ class AsyncPublisher:
         return "relay" if len(hosts) > 1 else "remote_upload"
 
     async def aclose(self) -> None:
-        """Close the connections. Not while a publication runs."""
+        """Wait for the retirements in the background, then close the connections. Not while
+        a publication runs."""
+        await self.retirements()
         await self._http.aclose()
+
+    async def retirements(self) -> list[Retirement]:
+        """Wait for every retirement running in the background; return those finished since
+        the last call (oldest first)."""
+        while self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+        done, self._retired = self._retired, []
+        return done
 
     async def __aenter__(self) -> AsyncPublisher:
         return self
@@ -247,28 +274,41 @@ class AsyncPublisher:
             if quorum is not None and quorum > max_replicas:
                 raise ValueError(f"min_replicas {quorum} is over max_replicas {max_replicas}")
 
+        clock = StepClock()
         # Cheap and local first: build (hash once) and validate before any byte leaves.
-        t = time.perf_counter()
-        bundle = AdapterBundle.from_any(
-            source, name=name, version=version or 1, config=config, base_model=base_model
-        )
-        build_s = time.perf_counter() - t
+        with clock.step("build"):
+            bundle = AdapterBundle.from_any(
+                source, name=name, version=version or 1, config=config, base_model=base_model
+            )
+        build_s = clock.steps["build"]
         # Engine limits (rank, slots) differ per replica; each agent enforces its own, so that
         # a refusal names the replica. Here: everything that no engine would accept.
-        bundle.validate(max_rank=max_rank).raise_for_problems(f"adapter {name!r}")
+        with clock.step("build"):
+            bundle.validate(max_rank=max_rank).raise_for_problems(f"adapter {name!r}")
 
-        async with self._name_locks[name]:
-            unreachable = await self._discover(fail=quorum is None)
-            async with self._lease(name):
-                previous, window, lag = await self._active(name)
-                version = await self._choose_version(name, version, previous)
+        lock = self._name_locks[name]
+        with clock.step("name_lock"):
+            await lock.acquire()
+        handed_off = False  # the lock and the lease went to a retirement in the background
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                with clock.step("begin"):
+                    begun = await self._begin(name, version, fail=quorum is None)
+                if self.router is not None:
+                    await stack.enter_async_context(self._lease_held(name, clock))
                 attempt = _Attempt()
                 try:
-                    return await self._run(
-                        attempt, bundle, name, version, previous, window, lag, unreachable, quorum,
-                        mode=mode, transfer=transfer, keep_versions=keep_versions,
-                        max_staleness=max_staleness, sessions=sessions, t_start=t_start,
-                        build_s=build_s, canary=canary, max_replicas=max_replicas,
+                    if begun.unreachable and quorum is None:
+                        raise PublishError(
+                            "some agents are unreachable; nothing was published",
+                            dict(begun.unreachable),
+                        )
+                    result = await self._run(
+                        attempt, bundle, name, begun.version, begun.previous, begun.window,
+                        begun.lag, begun.unreachable, quorum, mode=mode, transfer=transfer,
+                        keep_versions=keep_versions, max_staleness=max_staleness,
+                        sessions=sessions, t_start=t_start, build_s=build_s, canary=canary,
+                        max_replicas=max_replicas, clock=clock, begun=begun,
                     )  # fmt: skip
                 except BaseException:
                     if self.router is not None and not attempt.burnt:
@@ -276,9 +316,61 @@ class AsyncPublisher:
                         # hold its bytes knows it does: its number goes to the next one.
                         with contextlib.suppress(LorafleetError, asyncio.CancelledError):
                             await to_the_end(
-                                self.router.release_version(name, self.holder, version)
+                                self.router.release_version(name, self.holder, begun.version)
                             )
                     raise
+                publication = attempt.publication
+                if publication is not None and publication.retire_pending:
+                    self._retire_later(publication, stack.pop_all(), lock)
+                    handed_off = True
+        finally:
+            if not handed_off:
+                lock.release()
+        # What the last retirement of this name in the background could not do.
+        result.warnings[:0] = self._shortfalls.pop(name, [])
+        result.steps = dict(clock.steps)
+        result.duration_s = time.perf_counter() - t_start
+        return result
+
+    def _retire_later(
+        self, publication: Publication, lease: contextlib.AsyncExitStack, lock: asyncio.Lock
+    ) -> None:
+        """Retire ``publication`` in a task that then gives back the lease and the name's lock."""
+
+        async def retire() -> Retirement:
+            out = Retirement(name=publication.plan.name, version=publication.plan.version)
+            try:
+                out = await publication.finish()
+            except BaseException as exc:
+                out.error = reason(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            finally:
+                try:
+                    with contextlib.suppress(LorafleetError, asyncio.CancelledError):
+                        await to_the_end(lease.aclose())
+                finally:
+                    lock.release()
+                    self._retired_one(out)
+            return out
+
+        task = asyncio.create_task(retire(), name=f"lorafleet-retire-{publication.plan.name}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _retired_one(self, out: Retirement) -> None:
+        self._retired.append(out)
+        problems = [*out.warnings, *([f"it stopped: {out.error}"] if out.error else [])]
+        if problems:
+            log.warning("retirement after %r v%d: %s", out.name, out.version, "; ".join(problems))
+            self._shortfalls.setdefault(out.name, []).extend(
+                f"retirement after v{out.version}: {p}" for p in problems
+            )
+        else:
+            log.debug(
+                "retired %s after %r v%d in %.1f ms",
+                out.retired_versions, out.name, out.version, out.duration_s * 1e3,
+            )  # fmt: skip
 
     async def _run(
         self,
@@ -301,8 +393,12 @@ class AsyncPublisher:
         build_s: float,
         canary: Canary | None = None,
         max_replicas: int | None = None,
+        clock: StepClock | None = None,
+        begun: _Begun | None = None,
     ) -> PublishResult:
-        """The publication proper, under the lease, with its version number taken."""
+        """The publication proper, under the lease, with its version number taken. ``begun``:
+        what ``_begin`` read already (the router's view of the replicas, the adapter lists)."""
+        clock = clock or StepClock()
         skipped: dict[str, str] = {}
         if quorum is not None:
             # Lagging and in its backoff: skipped without a call (a dead node costs nothing).
@@ -314,7 +410,10 @@ class AsyncPublisher:
                         f"lagging since v{st.since_version} ({st.reason}); skipped "
                         f"until {st.retry_at - now:.0f}s from now, or until caught up"
                     )
-        down = await self._down(unreachable, skip=set(skipped))
+        with clock.step("down"):
+            down = await self._down(
+                unreachable, skip=set(skipped), seen=begun.seen if begun else None
+            )
         if quorum is None and down:
             raise PublishError(
                 f"cannot publish {name!r} v{version}: some replicas are down; nothing "
@@ -333,7 +432,10 @@ class AsyncPublisher:
         if max_replicas is not None:
             placement = rendezvous(name, [a.id for a in agents])[:max_replicas]
             agents = [a for a in agents if a.id in placement]
-        await self._check_room(name, keep_versions, agents)
+        with clock.step("room"):
+            await self._check_room(
+                name, keep_versions, agents, lists=begun.lists if begun else None
+            )
         if bundle.version != version:
             bundle = bundle.with_version(version)
         plan = Plan(
@@ -367,22 +469,88 @@ class AsyncPublisher:
             carrier=self.carriers.get(transfer),
             skipped=skipped,
             lag_history=lag,
+            clock=clock,
         )
+        attempt.publication = publication
         try:
-            return await publication.run(t_start=t_start, build_s=build_s)
+            return await publication.run(
+                t_start=t_start, build_s=build_s, retire_later=self.retire_in_background
+            )
         finally:
             attempt.burnt = publication.burns
 
     # -- the lease and the version --------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _lease(self, name: str) -> AsyncIterator[None]:
-        """Hold the router's publish lease on ``name`` (if there is a router), renewed while the
-        body runs. Raises ``PublishInProgress`` if another holder has it."""
-        if self.router is None:
-            yield
-            return
+    async def _begin(self, name: str, version: int | None, *, fail: bool) -> _Begun:
+        """What a publication reads before it plans, at once (one round trip's time): the
+        agents learnt and answering (``_discover``), the router's lease with the version number
+        and the active alias (one call, one durable write), the router's view of the replicas
+        and each agent's adapters (for ``_check_room``).
+
+        Raises what the router refused (``PublishInProgress``, ``VersionConflict``, or
+        ``PublishError`` when it cannot be reached): nothing is held then; with ``fail``,
+        the ``PublishError`` naming the agents that do not answer comes first. Otherwise an
+        agent that does not answer is in ``unreachable``: the caller decides, under the lease.
+        """
+        reserving = asyncio.ensure_future(self._reserve(name, version))
         try:
-            await self.router.acquire_lease(name, self.holder, self.timeouts.lease_ttl)
+            unreachable, lists = await self._discover()
+            try:
+                previous, window, lag, number, seen = await reserving
+            except Exception:
+                if fail and unreachable:  # the agents' failure names the replicas: first
+                    raise PublishError(
+                        "some agents are unreachable; nothing was published", unreachable
+                    ) from None
+                raise
+        except BaseException:
+            # Cancelled (or a bug): a reservation granted meanwhile is given back.
+            with contextlib.suppress(BaseException):
+                await to_the_end(self._unreserve(name, reserving))
+            raise
+        return _Begun(
+            version=number,
+            previous=previous,
+            window=window,
+            lag=lag,
+            unreachable=unreachable,
+            seen=seen,
+            lists=lists,
+        )
+
+    async def _unreserve(self, name: str, reserving: asyncio.Future) -> None:
+        """Give back what ``reserving`` was granted, if anything: the number and the lease."""
+        # Bounded: a router that does not answer must not hold up a Ctrl-C (its lease, if it
+        # was granted, then runs out).
+        await asyncio.wait([reserving], timeout=self.timeouts.answer)
+        if not reserving.done():
+            reserving.cancel()
+        if self.router is None or not reserving.done() or reserving.cancelled():
+            return
+        if reserving.exception() is not None:
+            return
+        number = reserving.result()[3]
+        with contextlib.suppress(LorafleetError):
+            await self.router.release_version(name, self.holder, number)
+        with contextlib.suppress(LorafleetError):
+            await self.router.release_lease(name, self.holder)
+
+    async def _reserve(
+        self, name: str, version: int | None
+    ) -> tuple[int | None, tuple[int, ...], dict[str, LagState], int, ReplicaList | None]:
+        """(the active version, its window newest first, its lagging replicas, the version to
+        publish, the router's view of the replicas). With a router: one call takes the lease
+        and the number and reads the alias and the replicas (``_choose_version`` says which
+        number). Raises as ``_begin`` says."""
+        if self.router is None:
+            previous, window, lag = await self._active(name)
+            number = await self._choose_version(name, version, previous)
+            return previous, window, lag, number, None
+        try:
+            got = await self.router.begin(
+                name, self.holder, version, lease_ttl_s=self.timeouts.lease_ttl
+            )
+        except VersionConflict:
+            raise  # the number asked for is taken: as the router says
         except RemoteError as exc:
             cls = publish_error_class(exc) or PublishError
             raise cls(
@@ -395,12 +563,26 @@ class AsyncPublisher:
                 f"cannot publish {name!r}: the router is unreachable; nothing was sent",
                 {"router": str(exc)},
             ) from exc
+        seen = None if got.replicas is None else ReplicaList(replicas=got.replicas)
+        entry = got.entry
+        if entry is None:
+            return None, (), {}, got.version, seen
+        window = tuple(v.version for v in entry.window())
+        return entry.version, window, dict(entry.lagging), got.version, seen
+
+    @contextlib.asynccontextmanager
+    async def _lease_held(self, name: str, clock: StepClock) -> AsyncIterator[None]:
+        """Keep the lease ``_begin`` took on ``name`` while the body runs (renewed), then give
+        it back."""
         # A long upload must not outlive the lease: renew it while the publication runs.
         heartbeat = asyncio.create_task(self._keep_lease(name))
         try:
             yield
         finally:
-            with contextlib.suppress(LorafleetError, asyncio.CancelledError):
+            with (
+                clock.step("lease_release"),
+                contextlib.suppress(LorafleetError, asyncio.CancelledError),
+            ):
                 await to_the_end(self._end_lease(name, heartbeat))
 
     async def _end_lease(self, name: str, heartbeat: asyncio.Task) -> None:
@@ -434,7 +616,13 @@ class AsyncPublisher:
         versions = [r.version for lst in lists for r in lst if r.name == name]
         return (max(versions), (max(versions),), {}) if versions else (None, (), {})
 
-    async def _check_room(self, name: str, keep_versions: int, agents: Sequence[Agent]) -> None:
+    async def _check_room(
+        self,
+        name: str,
+        keep_versions: int,
+        agents: Sequence[Agent],
+        lists: Mapping[str, list[AdapterRecord] | BaseException] | None = None,
+    ) -> None:
         """Before any byte moves, room on every replica's engine for this publication.
 
         A retention the engine can never hold (``keep_versions + 1`` slots: the window, and the
@@ -444,11 +632,14 @@ class AsyncPublisher:
         (``docs/placement.md``). Raises ``PublishError`` naming each replica that has no room.
         """
         capped = [a for a in agents if a.info and a.info.capabilities.max_adapters]
-        lists = await asyncio.gather(
-            *(a.client.list_adapters() for a in capped), return_exceptions=True
-        )
+        if lists is None or any(a.url not in lists for a in capped):
+            got = await asyncio.gather(
+                *(a.client.list_adapters() for a in capped), return_exceptions=True
+            )
+            lists = {a.url: out for a, out in zip(capped, got, strict=True)}
         short: dict[str, str] = {}
-        for agent, records in zip(capped, lists, strict=True):
+        for agent in capped:
+            records = lists[agent.url]
             if isinstance(records, BaseException):
                 continue  # unreachable now: its own load check refuses what it cannot hold
             cap = agent.info.capabilities.max_adapters  # type: ignore[union-attr]
@@ -520,15 +711,22 @@ class AsyncPublisher:
             raise ValueError("min_replicas needs atomic mode and a router (it routes by holder)")
         return q
 
-    async def _discover(self, *, fail: bool) -> dict[str, str]:
-        """Learn each agent once and see that it answers now, each within ``Timeouts.answer``.
-        Returns the agents that did not (id -> why); with ``fail``, raises ``PublishError``
-        naming them instead (nothing was sent)."""
+    async def _discover(
+        self,
+    ) -> tuple[dict[str, str], dict[str, list[AdapterRecord] | BaseException]]:
+        """Learn each agent once and see that it answers now, each within ``Timeouts.answer``,
+        by listing its adapters (what ``_check_room`` reads). Returns (the agents that did not
+        answer: id -> why, each agent's adapters by URL, or the refusal it answered with)."""
         bound = self.timeouts.answer
+
+        lists: dict[str, list[AdapterRecord] | BaseException] = {}
 
         async def reach(a: Agent) -> None:
             await asyncio.wait_for(a.discover(), bound)
-            await asyncio.wait_for(a.client.health(), bound)
+            try:
+                lists[a.url] = await asyncio.wait_for(a.client.list_adapters(), bound)
+            except RemoteError as exc:
+                lists[a.url] = exc  # it answers: what it refused shows at its own steps
 
         outcomes = await asyncio.gather(*(reach(a) for a in self._agents), return_exceptions=True)
         failures = {
@@ -540,22 +738,26 @@ class AsyncPublisher:
             for agent, out in zip(self._agents, outcomes, strict=True)
             if isinstance(out, BaseException)
         }
-        if failures and fail:
-            raise PublishError("some agents are unreachable; nothing was published", failures)
-        return failures
+        return failures, lists
 
     async def _down(
-        self, unreachable: Mapping[str, str], *, skip: set[str] | frozenset[str] = frozenset()
+        self,
+        unreachable: Mapping[str, str],
+        *,
+        skip: set[str] | frozenset[str] = frozenset(),
+        seen: ReplicaList | None = None,
     ) -> dict[str, str]:
         """``unreachable``, plus the replicas that the router sees out of rotation and whose
-        agent says it is not ready now (its engine is down, or it is reinstalling adapters)."""
+        agent says it is not ready now (its engine is down, or it is reinstalling adapters).
+        ``seen``: the router's view, read already."""
         down = dict(unreachable)
         if self.router is None:
             return down
-        try:
-            seen = await asyncio.wait_for(self.router.replicas(), self.timeouts.answer)
-        except (LorafleetError, TimeoutError):
-            return down  # the router's own failure shows at the lease or the flip
+        if seen is None:
+            try:
+                seen = await asyncio.wait_for(self.router.replicas(), self.timeouts.answer)
+            except (LorafleetError, TimeoutError):
+                return down  # the router's own failure shows at the lease or the flip
         # An agent never reached is known here by its URL only: name it as the router does.
         ids = {r.agent_url.rstrip("/"): r.replica_id for r in seen.replicas}
         down = {ids.get(k, k): v for k, v in down.items()}
@@ -593,6 +795,22 @@ class AsyncPublisher:
 class _Attempt:
     burnt: bool = False
     """The attempt failed in a way that keeps its version number taken (``Publication.burns``)."""
+    publication: Publication | None = None
+
+
+@dataclass
+class _Begun:
+    """What ``AsyncPublisher._begin`` read: the plan's inputs, under the lease."""
+
+    version: int
+    previous: int | None
+    window: tuple[int, ...]
+    lag: dict[str, LagState]
+    unreachable: dict[str, str]
+    seen: ReplicaList | None
+    """The router's view of the replicas (None: no router, or it did not answer)."""
+    lists: dict[str, list[AdapterRecord] | BaseException]
+    """agent URL -> its adapters, or why it could not list them."""
 
 
 def _host(url: str) -> str:
@@ -662,8 +880,13 @@ class Publisher:
         Raises ``RuntimeError`` once closed."""
         return self._call(self._async.apublish, source, name=name, **kwargs)
 
+    def retirements(self) -> list[Retirement]:
+        """Wait for the retirements in the background; see ``AsyncPublisher.retirements``."""
+        return self._call(self._async.retirements)
+
     def close(self) -> None:
-        """Release the connections and the portal's thread. Not while a publication runs."""
+        """Wait for the retirements in the background, release the connections and the
+        portal's thread. Not while a publication runs."""
         if self._closed:
             return
         try:

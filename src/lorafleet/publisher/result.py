@@ -2,12 +2,62 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from lorafleet.protocol.canary import CanaryVerdict
 
-__all__ = ["Lagging", "PublishResult", "ReplicaState", "ReplicaTiming", "Timeouts"]
+__all__ = [
+    "STEPS",
+    "Lagging",
+    "PublishResult",
+    "ReplicaState",
+    "ReplicaTiming",
+    "Retirement",
+    "StepClock",
+    "Timeouts",
+]
+
+
+STEPS = (
+    "build",
+    "name_lock",
+    "begin",
+    "down",
+    "room",
+    "stage",
+    "cutover",
+    "activate",
+    "retire",
+    "lease_release",
+)
+"""The steps of ``publish()`` in order: hash and validate the bundle; wait for an earlier
+publication of the name in this Publisher (or its retirement in the background); ``begin``, in
+one round trip's time: learn the agents and see them answer, the router's lease with the version
+number and the active version (one call), the router's view of the replicas, the agents'
+adapter lists; check the replicas the router sees down; check room on the engines; stage, load
+and probe on every replica; the alias flip; record v active on the agents; drain and release the
+versions that left the window; give the lease back. With ``retire_in_background`` the last
+three run after ``publish()`` returns (``Retirement``)."""
+
+
+class StepClock:
+    """Times the steps of one call back to back, keyed by name (a repeated step adds up)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Time the body as ``name``, also when it raises."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.steps[name] = self.steps.get(name, 0.0) + time.perf_counter() - t
 
 
 class ReplicaState(StrEnum):
@@ -35,6 +85,8 @@ class ReplicaTiming:
     upload_s: float = 0.0
     verify_s: float = 0.0
     """Commit on the agent: hard-link assembly and validation (streamed bytes are hashed inline)."""
+    open_s: float = 0.0
+    """Opening the upload session (part of ``upload_s``): the agent says what it lacks."""
     load_s: float = 0.0
     probe_s: float = 0.0
     """The application probe after the load (see ``application``)."""
@@ -85,7 +137,8 @@ class PublishResult:
     serving_s: float
     """From the call to the moment every new request resolves to this version."""
     retire_s: float
-    """Recording v as active, draining v-1 and releasing older versions (after serving)."""
+    """Recording v as active, draining v-1 and releasing older versions (after serving); 0 when
+    that runs in the background (``Retirement``)."""
     bytes_sent: int
     """Bytes that left the Publisher in all (the trainer's egress)."""
     active_version: int
@@ -98,6 +151,47 @@ class PublishResult:
     """Quorum: the replicas that did not take this version (by replica id), and why."""
     quorum: int | None = None
     """The replicas this publication needed (None: every one)."""
+    steps: dict[str, float] = field(default_factory=dict)
+    """Seconds per step of the call, in order, back to back (see ``STEPS``): they add up to
+    ``duration_s`` but for the argument checks between them. ``stage`` is the replicas' phase
+    as a whole (each replica's share is in ``replicas``)."""
+
+    @property
+    def critical_s(self) -> float:
+        """The slowest replica's transfer + verification + engine load + probe: the part of a
+        publication that moves or checks bytes. The rest of ``duration_s`` is overhead."""
+        return max(
+            (r.upload_s + r.verify_s + r.load_s + r.probe_s for r in self.replicas.values()),
+            default=0.0,
+        )
+
+    @property
+    def overhead_s(self) -> float:
+        """``duration_s`` minus ``critical_s``: what the Publisher and router add."""
+        return self.duration_s - self.critical_s
+
+
+@dataclass
+class Retirement:
+    """What a retirement run in the background did (``Publisher(retire_in_background=True)``):
+    v recorded active on every agent, the versions that left the window drained at the router
+    and then released, the lease given back."""
+
+    name: str
+    version: int
+    """The publication it followed."""
+    retired_versions: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What it could not do (a version that stays loaded, an agent that did not answer)."""
+    duration_s: float = 0.0
+    error: str | None = None
+    """It stopped short (an unexpected error, or it was cancelled): versions may stay loaded
+    until a later publication releases them."""
+
+    @property
+    def ok(self) -> bool:
+        """Everything it had to do was done."""
+        return self.error is None and not self.warnings
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,10 @@ _UNSET = object()
 log = logging.getLogger("lorafleet.router")
 
 
+def _event_json(event: AliasEvent) -> str:
+    return json.dumps(event.model_dump(), separators=(",", ":"))
+
+
 @dataclass
 class LeaseRecord:
     holder: str
@@ -71,6 +75,10 @@ class AliasStore:
         unless given back by ``release_version``."""
         self._given: dict[str, int] = {}
         """name -> what ``reserved`` was before the last reservation (for ``release_version``)."""
+        self._log_text: tuple[list[AliasEvent], str] | None = None
+        """The log as last written (the list and its JSON array's inside). The log only grows
+        at the end and loses its head, so a write extends or trims this text rather than
+        serializing 10,000 events again (~30 ms at every lease, number and flip)."""
         self.path = Path(state_dir) / STATE_FILE if state_dir else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +124,7 @@ class AliasStore:
             return
         doc = {
             "aliases": {k: v.model_dump() for k, v in aliases.items()},
-            "log": [e.model_dump() for e in log],
+            "log": [],
             "seq": seq,
             "leases": {
                 k: {"holder": v.holder, "expires_at": v.expires_at} for k, v in leases.items()
@@ -124,7 +132,29 @@ class AliasStore:
             "reserved": self.reserved,
             "given": self._given,
         }
-        atomic_write(self.path, json.dumps(doc, separators=(",", ":")).encode())
+        text = json.dumps(doc, separators=(",", ":"))
+        # Splice the log in; the rest of the document is small.
+        head, tail = text.split('"log":[]', 1)
+        atomic_write(self.path, f'{head}"log":[{self._log_json(log)}]{tail}'.encode())
+
+    def _log_json(self, log: list[AliasEvent]) -> str:
+        """The events of ``log``, comma-separated JSON, reusing the last text where it can."""
+        text = None
+        if self._log_text is not None:
+            before, done = self._log_text
+            if len(before) == len(log) and (not log or before[-1] is log[-1]):
+                text = done  # events are unique objects: the same newest, the same window
+            elif before and len(log) >= 2 and before[-1] is log[-2]:
+                # One event appended, and the head trimmed by what the cap dropped.
+                dropped = len(before) + 1 - len(log)
+                if 0 <= dropped <= len(before) and (not dropped or before[dropped] is log[0]):
+                    cut = sum(len(_event_json(e)) + 1 for e in before[:dropped])
+                    text = ",".join(t for t in (done[cut:], _event_json(log[-1])) if t)
+        if text is None:
+            text = ",".join(_event_json(e) for e in log)
+        # A copy: what was written must not change should the list be changed in place.
+        self._log_text = (list(log), text)
+        return text
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -425,13 +455,27 @@ class AliasStore:
         )
         self._replace(name, entry.model_copy(update={"lagging": {**entry.lagging, replica_id: st}}))
 
-    def reserve(self, name: str, holder: str, version: int | None = None) -> int:
+    def reserve(
+        self,
+        name: str,
+        holder: str,
+        version: int | None = None,
+        *,
+        lease_ttl_s: float | None = None,
+    ) -> int:
         """Hand out the next version number of ``name`` to the lease ``holder``: above the
         active version and above every number handed out before (a failed attempt's number is
-        burnt unless given back). Raises ``PublishInProgress`` (another holder's lease) and
-        ``VersionConflict`` (``version`` asked for is not above them)."""
+        burnt unless given back). ``lease_ttl_s``: grant or renew the holder's lease too, in
+        the same write (both or neither). Raises ``PublishInProgress`` (another holder's lease)
+        and ``VersionConflict`` (``version`` asked for is not above them)."""
         self._check_lease(name, holder)
         entry = self.aliases.get(name)
+        if version is not None and entry is not None and version <= entry.version:
+            raise VersionConflict(
+                f"version {version} of {name!r} is not newer than the active version "
+                f"{entry.version}",
+                param="version",
+            )
         floor = max(self.reserved.get(name, 0), entry.version if entry else 0)
         if version is None:
             version = floor + 1
@@ -441,9 +485,14 @@ class AliasStore:
                 "out (a number a failed attempt used is never reused)",
                 param="version",
             )
+        leases = self.leases
+        if lease_ttl_s is not None:
+            expires = time.time() + lease_ttl_s
+            leases = {**leases, name: LeaseRecord(holder=holder, expires_at=expires)}
         self._given[name] = self.reserved.get(name, 0)
         self.reserved[name] = version
-        self._persist(self.aliases, self.log, self.seq, self.leases)
+        self._persist(self.aliases, self.log, self.seq, leases)
+        self.leases = leases
         return version
 
     def release_version(self, name: str, holder: str, version: int) -> bool:

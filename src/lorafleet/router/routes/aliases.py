@@ -20,7 +20,7 @@ from lorafleet.protocol.router import (
     WarmRequest,
     WarmResult,
 )
-from lorafleet.router.routes import RouteContext
+from lorafleet.router.routes import RouteContext, replica_status
 
 __all__ = ["routes"]
 
@@ -113,9 +113,19 @@ def routes(ctx: RouteContext) -> APIRouter:
     )
     async def reserve(name: AdapterName, req: ReserveRequest) -> Reservation:
         """The next version number of ``name`` for the lease's holder: above the active one and
-        every number handed out before (persisted). 409 ``version_conflict`` for a number asked
-        for that is not, ``publish_in_progress`` for another holder's lease."""
-        return Reservation(name=name, version=store.reserve(name, req.holder, req.version))
+        every number handed out before (persisted). With ``lease_ttl_s``, the lease is taken in
+        the same write, and the answer carries the name's alias: a publication's plan in one
+        round trip. 409 ``version_conflict`` for a number asked for that is not,
+        ``publish_in_progress`` for another holder's lease."""
+        version = store.reserve(name, req.holder, req.version, lease_ttl_s=req.lease_ttl_s)
+        if req.lease_ttl_s is None:
+            return Reservation(name=name, version=version, entry=store.aliases.get(name))
+        return Reservation(
+            name=name,
+            version=version,
+            entry=store.aliases.get(name),
+            replicas=[replica_status(r) for r in balancer.replicas],
+        )
 
     @api.delete(
         "/v1/control/aliases/{name}/reserve/{version}",
