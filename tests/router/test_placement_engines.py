@@ -94,6 +94,10 @@ def _served_under_slots(server, unload_route, kind, prefix, launcher, tiny_model
             assert r.json()["lorafleet"]["adapter"] == name
             assert r.json()["choices"][0]["text"] == expected[name], name
         assert not over, over[:3]
+        staging = tmp_path / "agent" / "staging"
+        assert staging.is_dir()
+        left = [f for f in staging.rglob("*") if f.is_file()]
+        assert not left, left[:3]
         loads = httpx.get(router.url + "/metrics", timeout=10).text
         ok = [
             x for x in loads.splitlines() if x.startswith("lorafleet_router_on_demand_loads_total")
