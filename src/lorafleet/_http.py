@@ -124,6 +124,10 @@ def error_code(response: httpx.Response) -> str:
     return code or "http_error"
 
 
+_PASSED_ON = frozenset({"retry-after", "www-authenticate"})
+"""The headers of an error answer that its ``ServiceError`` keeps (``raise_for_status``)."""
+
+
 def raise_for_status(response: httpx.Response) -> httpx.Response:
     """Return ``response`` if it succeeded; raise the ``ServiceError`` for its code otherwise."""
     if response.is_success:
@@ -133,7 +137,9 @@ def raise_for_status(response: httpx.Response) -> httpx.Response:
         error_message(response),
         status=response.status_code,
         url=str(response.url),
-        headers=dict(response.headers),
+        # Only what an error passes on when a service answers with it again: the framing
+        # headers (Content-Length above all) describe the remote body, not the next one.
+        headers={k: v for k, v in response.headers.items() if k.lower() in _PASSED_ON},
     )
 
 
