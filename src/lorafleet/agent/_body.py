@@ -107,17 +107,26 @@ class RawBody:
         if c.waiting_for_100_continue and not c.transport.is_closing():
             c.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             c.waiting_for_100_continue = False
+        transport = c.transport
+        if c.more_body:
+            # Nothing may reach the old parser while what it took is fed: bytes it took then
+            # would land after the head in its buffer, which nobody reads again.
+            transport.pause_reading()
         if c.body:  # what the parser took before the app started: copied once
             head = bytes(c.body)
             c.body = bytearray()
             self.received += len(head)
-            await pipe.feed(head)
+            try:
+                await pipe.feed(head)
+            except BaseException:
+                transport.resume_reading()
+                raise
         if not c.more_body:
             return self.received  # the parser already had all of it
         reader = _Reader(self, pipe)
-        transport = c.transport
         transport.set_protocol(reader)
         self.proto.flow.resume_reading()  # uvicorn pauses at 64 KiB buffered
+        transport.resume_reading()  # and so did this method, above
         try:
             seen = self.received
             while not reader.done.done():
