@@ -7,8 +7,11 @@ a fresh fleet per test, or a module-scoped one for a fleet shared by a module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,32 @@ class Fleet:
                 total += sum((Path(dirpath) / f).stat().st_size for f in files)
             out.append(total)
         return out
+
+    def in_engine(self, i: int) -> list[str]:
+        """The engine names agent ``i`` holds in its engine (loaded or active)."""
+        return [a["engine_name"] for a in self.adapters(i) if a["state"] in ("loaded", "active")]
+
+    @contextlib.contextmanager
+    def watch_slots(self, slots: int) -> Iterator[list[tuple[int, list[str]]]]:
+        """For the block, watch every engine in a thread (every 50 ms) and yield the list of
+        times one held more than ``slots`` adapters: (replica index, what it held)."""
+        over: list[tuple[int, list[str]]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                for i in range(len(self.agents)):
+                    if len(held := self.in_engine(i)) > slots:
+                        over.append((i, held))
+                stop.wait(0.05)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            yield over
+        finally:
+            stop.set()
+            watcher.join(10)
 
     def adapters(self, i: int, name: str | None = None) -> list[dict]:
         """Agent ``i``'s adapters (only ``name``'s versions, if given: on a shared fleet)."""

@@ -12,7 +12,6 @@ slots.
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,10 +55,6 @@ def _complete(fleet: Fleet, model: str) -> httpx.Response:
     )
 
 
-def _in_engine(fleet: Fleet, i: int) -> list[str]:
-    return [a["engine_name"] for a in fleet.adapters(i) if a["state"] in ("loaded", "active")]
-
-
 def _metric(url: str, key: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(key + " ")), 0.0)
@@ -79,7 +74,7 @@ def test_six_names_on_four_slots_are_published_and_served_under_a_zipf_mix(fleet
             assert r.status_code == 200, r.text
             expected[name] = r.json()["choices"][0]["text"]
             for i in range(len(fleet.agents)):
-                assert len(_in_engine(fleet, i)) <= SLOTS
+                assert len(fleet.in_engine(i)) <= SLOTS
     assert len(set(expected.values())) > 1, "the adapters should answer differently"
     evicted = sum(_evictions(fleet, i) for i in range(len(fleet.agents)))
     assert evicted >= len(NAMES) - SLOTS
@@ -98,25 +93,9 @@ def test_six_names_on_four_slots_are_published_and_served_under_a_zipf_mix(fleet
     rng = random.Random(7)
     weights = [1 / (k + 1) ** 1.1 for k in range(len(NAMES))]
     mix = rng.choices(NAMES, weights=weights, k=60)
-    over: list[tuple[int, list[str]]] = []
-    stop = threading.Event()
 
-    def watch_slots() -> None:
-        while not stop.is_set():
-            for i in range(len(fleet.agents)):
-                held = _in_engine(fleet, i)
-                if len(held) > SLOTS:
-                    over.append((i, held))
-            stop.wait(0.05)
-
-    watcher = threading.Thread(target=watch_slots, daemon=True)
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda name: (name, _complete(fleet, name)), mix))
-    finally:
-        stop.set()
-        watcher.join(10)
+    with fleet.watch_slots(SLOTS) as over, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda name: (name, _complete(fleet, name)), mix))
     for name, r in answers:
         assert r.status_code == 200, (name, r.status_code, r.text)
         tag = r.json()["lorafleet"]
@@ -146,7 +125,7 @@ def test_the_router_lists_only_the_replicas_that_hold_a_version(fleet, adapters)
         holding = {
             fleet.agents[i].url.removeprefix("http://")
             for i in range(len(fleet.agents))
-            if f"{name}@v1" in _in_engine(fleet, i)
+            if f"{name}@v1" in fleet.in_engine(i)
         }
         assert set(v1["replicas"]) == holding, (name, v1["replicas"], holding)
 

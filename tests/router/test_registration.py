@@ -124,10 +124,6 @@ def _drop_into(watch: Path, src: Path, name: str) -> None:
     os.rename(tmp, watch / name)
 
 
-def _in_engine(fleet: Fleet, i: int) -> list[str]:
-    return [a["engine_name"] for a in fleet.adapters(i) if a["state"] in ("loaded", "active")]
-
-
 def test_registered_names_load_only_where_a_request_places_them(fleet, dirs, made, expected):
     for name in REGISTERED:
         shutil.copytree(made[name], dirs["src"] / name)
@@ -149,16 +145,6 @@ def test_registered_names_load_only_where_a_request_places_them(fleet, dirs, mad
     rng = random.Random(11)
     weights = [1 / (k + 1) ** 1.1 for k in range(len(names))]
     mix = rng.choices(names, weights=weights, k=48)
-    over: list[tuple[int, list[str]]] = []
-    stop = threading.Event()
-
-    def watch_slots() -> None:
-        while not stop.is_set():
-            for i in range(len(fleet.agents)):
-                held = _in_engine(fleet, i)
-                if len(held) > SLOTS:
-                    over.append((i, held))
-            stop.wait(0.05)
 
     def ask(k: int) -> tuple[str, httpx.Response]:
         name = mix[k]
@@ -171,14 +157,8 @@ def test_registered_names_load_only_where_a_request_places_them(fleet, dirs, mad
         return name, _complete(fleet.router.url, name)
 
     lock = threading.Lock()
-    watcher = threading.Thread(target=watch_slots, daemon=True)
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(ask, range(len(mix))))
-    finally:
-        stop.set()
-        watcher.join(10)
+    with fleet.watch_slots(SLOTS) as over, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(len(mix))))
     for name, r in answers:
         assert r.status_code == 200, (name, r.status_code, r.text)
         tag = r.json()["lorafleet"]

@@ -15,7 +15,6 @@ through the entry point the Tinker server calls (``call_and_store_result``).
 from __future__ import annotations
 
 import random
-import threading
 from pathlib import Path
 
 import httpx
@@ -120,28 +119,9 @@ def test_skyrl_tinker_samples_eight_checkpoints_on_four_slots(
             "requests": requests,
             "waves": waves,
         }
-        over: list[tuple[int, list[str]]] = []
-        stop = threading.Event()
 
-        def watch_slots() -> None:
-            while not stop.is_set():
-                for i in range(len(fleet.agents)):
-                    held = [
-                        a["engine_name"]
-                        for a in fleet.adapters(i)
-                        if a["state"] in ("loaded", "active")
-                    ]
-                    if len(held) > SLOTS:
-                        over.append((i, held))
-                stop.wait(0.05)
-
-        watcher = threading.Thread(target=watch_slots, daemon=True)
-        watcher.start()
-        try:
+        with fleet.watch_slots(SLOTS) as over:
             out = run_driver(venv, tmp_path / "stand-in", plan, tmp_path, driver=DRIVER)
-        finally:
-            stop.set()
-            watcher.join(10)
 
         results = out["results"]
         assert len(results) == len(requests)
