@@ -218,7 +218,9 @@ def test_atomic_v1_v2_every_shape(engine, launcher, tiny_model, tmp_path, adapte
     name = f"contract-{secrets.token_hex(3)}"
     assert merged["a"] != merged["base"] != merged["b"]
     try:
-        with Publisher([agent.url], router=router.url, token=token) as pub:
+        with Publisher(
+            [agent.url], router=router.url, token=token, retire_in_background=False
+        ) as pub:
             for version, key in ((1, "a"), (2, "b")):
                 result = pub.publish(str(adapters[key]), name=name)
                 assert result.version == version

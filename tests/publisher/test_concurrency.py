@@ -118,7 +118,9 @@ def test_one_name_at_once_on_one_publisher_runs_in_turn(launcher, make_fleet, ti
             t.join()
         return results, errors
 
-    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+    with Publisher(
+        fleet.agent_urls, router=fleet.router.url, token=fleet.token, retire_in_background=False
+    ) as pub:
         pub.publish(str(a), name="policy")
         # version=None: both succeed, each with the next version, as if called in sequence
         results, errors = race(pub)

@@ -96,7 +96,9 @@ def test_lost_answer_to_the_flip_is_resolved_by_asking_the_router(
     b = make_peft_adapter(tiny_model, tmp_path / "b", r=8, seed=72)
     with (
         _LossyProxy(fleet.router.url) as proxy,
-        Publisher(fleet.agent_urls, router=proxy.url, token=fleet.token) as pub,
+        Publisher(
+            fleet.agent_urls, router=proxy.url, token=fleet.token, retire_in_background=False
+        ) as pub,
     ):
         pub.publish(str(a), name="policy")
         proxy.armed.set()
@@ -156,7 +158,9 @@ def test_lost_flip_with_an_unreadable_table_keeps_v_loaded(
         assert {x["version"] for x in fleet.adapters(i)} == {1, 2}
     assert fleet.staging_bytes() == [0, 0]
     # with the router readable again, the next publication succeeds and cleans up
-    with Publisher(fleet.agent_urls, router=fleet.router.url, token=fleet.token) as pub:
+    with Publisher(
+        fleet.agent_urls, router=fleet.router.url, token=fleet.token, retire_in_background=False
+    ) as pub:
         res = pub.publish(str(a), name="policy")
     assert res.version == 3 and res.retired_versions == [1, 2]
     for i in range(2):

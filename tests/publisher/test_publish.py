@@ -163,7 +163,9 @@ def test_transfer_modes_deliver_and_serve(fleet2, shared_dir, name, adapters, ti
 
 
 def test_republish_dedups_and_retires_old_version(fleet2, name, adapters):
-    with Publisher(fleet2.agent_urls, router=fleet2.router.url, token=fleet2.token) as pub:
+    with Publisher(
+        fleet2.agent_urls, router=fleet2.router.url, token=fleet2.token, retire_in_background=False
+    ) as pub:
         r1 = pub.publish(str(adapters["a"]), name=name)
         r2 = pub.publish(str(adapters["a"]), name=name)  # same bytes, next version
         r3 = pub.publish(str(adapters["b"]), name=name)

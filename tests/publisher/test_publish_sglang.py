@@ -70,7 +70,9 @@ def test_publish_v1_v2_to_real_sglang(sglang_server, launcher, tiny_model, tmp_p
     adapters = [make_peft_adapter(tiny_model, tmp_path / f"v{i}", r=8, seed=60 + i) for i in (1, 2)]
     headers = {"Authorization": f"Bearer {token}"}
     try:
-        with Publisher([agent.url], router=router.url, token=token) as pub:
+        with Publisher(
+            [agent.url], router=router.url, token=token, retire_in_background=False
+        ) as pub:
             for version, adapter in enumerate(adapters, start=1):
                 result = pub.publish(str(adapter), name=name)
                 assert result.version == version

@@ -34,7 +34,9 @@ def test_publish_to_real_vllm(vllm_server, launcher, tiny_model, tmp_path):
     too_big = make_peft_adapter(tiny_model, tmp_path / "big", r=32, seed=43)
     name = f"policy-{secrets.token_hex(3)}"  # the vLLM server is shared by the session
     try:
-        with Publisher([agent.url], router=router.url, token=token) as pub:
+        with Publisher(
+            [agent.url], router=router.url, token=token, retire_in_background=False
+        ) as pub:
             r1 = pub.publish(str(a), name=name)  # remote upload of a directory
             status, ids, body = greedy_completion(router.url, name)
             assert status == 200 and body["lorafleet"]["version"] == 1

@@ -209,6 +209,8 @@ def command(
                 token=token,
                 shared_dir=shared_dir,
                 on_progress=on_progress,
+                # A one-shot command waits for the retirement anyway: report it.
+                retire_in_background=False,
             ) as pub,
         ):
             result = pub.publish(
