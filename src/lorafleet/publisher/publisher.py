@@ -93,19 +93,20 @@ class AsyncPublisher:
         relay_stall_s: float = 10.0,
         relay_rates: RelayRates | None = None,
         carriers: Mapping[str, Carrier] | None = None,
-        retire_in_background: bool = True,
+        retire_in_background: bool = False,
     ) -> None:
         """Raises ``ValueError`` without agents. Connects to nothing until the first call.
 
-        ``retire_in_background`` (the default): ``publish()`` returns once v serves (the alias
-        flip); v is recorded active and the versions that left the window are drained and
-        released after, under the lease, which is given back then. The next publication of the
-        name waits for that (as it waits for the one before it), and ``close()`` waits for it,
-        so nothing changes for the fleet, only when the call returns (an async RL loop gets its
-        step back ~30 ms sooner: bench/RESULTS.md); the outcome is logged, added to the next
+        ``retire_in_background``: ``publish()`` returns once v serves (the alias flip); v is
+        recorded active and the versions that left the window are drained and released after,
+        under the lease, which is given back then. The next publication of the name by this
+        Publisher waits for that (as it waits for the one before it), and ``close()`` waits for
+        it, so nothing changes for the fleet, only when the call returns (an async RL loop gets
+        its step back ~30 ms sooner: bench/RESULTS.md); the outcome is logged, added to the next
         result's ``warnings`` where it fell short, and returned by ``retirements()``.
-        ``retired_versions`` is then empty. False: ``publish()`` returns after the retirement,
-        and its result says what was retired.
+        ``retired_versions`` is then empty. Another Publisher (another process) publishing the
+        name meanwhile is refused the lease (``PublishInProgress``), as during any publication:
+        hence not the default.
 
         ``verify``: before the cutover, each agent checks that its engine applies the new
         version, asked the way the router will ask (``AdapterNotApplied`` fails the replica).
