@@ -376,14 +376,14 @@ def token_guard(
     """
     if expected is None:
 
-        async def open_route() -> None:
+        def open_route() -> None:
             return None
 
         return open_route
 
     bearer = _bearer_scheme(what, scheme)
 
-    async def guard(request: Request, _: object = Security(bearer)) -> None:
+    def guard(request: Request, _: object = Security(bearer)) -> None:
         require_token(request, expected, what)
 
     return guard
@@ -404,14 +404,14 @@ def inference_guard(api_key: str | None, tenants: Tenants | None) -> Callable[..
     """
     if api_key is None and tenants is None:
 
-        async def open_route() -> Caller:
+        def open_route() -> Caller:
             return OPERATOR
 
         return open_route
 
     bearer = _bearer_scheme("API key", "apiKey")
 
-    async def guard(request: Request, _: object = Security(bearer)) -> Caller:
+    def guard(request: Request, _: object = Security(bearer)) -> Caller:
         return identify_caller(
             request.headers.get("authorization"),
             api_key,
@@ -437,12 +437,12 @@ def tenant_or_control_guard(
     """
     bearer = _bearer_scheme("control token", "controlToken")
 
-    async def guard(request: Request, _: object = Security(bearer)) -> Caller:
+    def guard(request: Request, _: object = Security(bearer)) -> Caller:
         return identify_caller(request.headers.get("authorization"), control_token, tenants)
 
     if control_token is None and tenants is None:
 
-        async def open_route(request: Request) -> Caller:
+        def open_route(request: Request) -> Caller:
             return OPERATOR
 
         return open_route

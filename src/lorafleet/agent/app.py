@@ -58,9 +58,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         auto_error=False,
     )
 
-    async def upload_access(
-        request: Request, upload_id: str, _: object = Security(relay_bearer)
-    ) -> bool:
+    def upload_access(request: Request, upload_id: str, _: object = Security(relay_bearer)) -> bool:
         """The control token, or this session's relay credential (then True: a peer agent)."""
         authz = request.headers.get("authorization") or ""
         scheme, _sep, token = authz.partition(" ")

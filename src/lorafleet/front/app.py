@@ -50,7 +50,7 @@ def create_app(cfg: FrontConfig) -> FastAPI:
     # Remote-upload PUTs stream raw bytes, capped per file by the upload path itself.
     app.add_middleware(JsonBodyLimit, limit=GENERATION_BODY_LIMIT, stream_prefix=UPLOAD_PREFIX)
 
-    async def control(request: Request) -> Caller:
+    def control(request: Request) -> Caller:
         client = request.client.host if request.client else None
         return front.check_control(request.headers.get("authorization"), client)
 
