@@ -187,7 +187,10 @@ class ReplicaInstall:
         ``LorafleetError`` or ``TimeoutError``; the trainer's link carries nothing."""
         credential = secrets.token_urlsafe(32)
         accept = RelayAccept(credential_sha256=credential_digest(credential))
-        await self.open(supersede=True, relay=accept)
+        # Not superseding: only a lease holder may clear newer never-activated versions, and
+        # one may be a publication in flight on this replica (an older version conflicts
+        # instead, and is tried again after it).
+        await self.open(supersede=False, relay=accept)
         try:
             if self.missing:
                 await self._peer_sends(peer, agent_url, credential, self.missing)

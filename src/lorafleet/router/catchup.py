@@ -405,7 +405,10 @@ class CatchUp:
                 for r, _ in group
             ]
             opened = await asyncio.gather(
-                *(x.open(supersede=True, relay=accept) for x in installs), return_exceptions=True
+                # Not superseding, as ``ReplicaInstall.from_peer``: a newer never-activated
+                # version there may be a publication in flight.
+                *(x.open(supersede=False, relay=accept) for x in installs),
+                return_exceptions=True,
             )
             live = [k for k, o in enumerate(opened) if not isinstance(o, BaseException)]
             for k, o in enumerate(opened):
