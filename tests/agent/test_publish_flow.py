@@ -252,15 +252,20 @@ def test_operations_on_one_name_are_serialized(agent, peft_dir, peft_dir2):
             recs = await asyncio.gather(c.load("ser", 1), c.load("ser", 2), c.load("ser", 1))
             acts = await asyncio.gather(c.activate("ser", 1), c.activate("ser", 2))
             listed = await c.list_adapters()
+            # A publication's activation landing after the next one's (each retires after its
+            # flip) leaves the newer version active.
+            late = await c.activate("ser", 1)
+            after = await c.list_adapters()
             for v in (1, 2):
                 await c.unload("ser", v)
-            return recs, acts, listed
+            return recs, acts, listed, late, after
 
-    recs, _acts, listed = asyncio.run(go())
+    recs, _acts, listed, late, after = asyncio.run(go())
     assert {r.state.value for r in recs} == {"loaded"}
-    states = {r.version: r.state.value for r in listed}
-    # exactly one active version, whichever activate ran last
-    assert sorted(states.values()) == ["active", "loaded"]
+    # exactly one active version, the newer one, whichever activate ran last
+    assert {r.version: r.state.value for r in listed} == {1: "loaded", 2: "active"}
+    assert (late.version, late.state.value) == (1, "loaded")
+    assert {r.version: r.state.value for r in after} == {1: "loaded", 2: "active"}
 
 
 def test_in_place_mode(agent, engine, peft_dir, peft_dir2):

@@ -80,6 +80,28 @@ def test_a_reservation_takes_the_lease_in_the_same_write_or_nothing(tmp_path):
     assert s.lease_of("p") is None and AliasStore(tmp_path).lease_of("p") is None
 
 
+def test_a_flip_gives_the_lease_back_in_its_own_write_or_not_at_all(tmp_path):
+    s = AliasStore(tmp_path)
+    assert s.reserve("p", "a", lease_ttl_s=60) == 1
+    with pytest.raises(ServiceError) as ei:  # refused (CAS): the lease stays
+        s.set_alias(
+            "p", 1, "p@v1", ["r0"], expected_version=7, lease_holder="a", release_lease=True
+        )
+    assert ei.value.code == "version_conflict"
+    assert s.lease_of("p").holder == "a" and AliasStore(tmp_path).lease_of("p").holder == "a"
+    s.set_alias("p", 1, "p@v1", ["r0"], lease_holder="a", release_lease=True)
+    again = AliasStore(tmp_path)  # the flip and the release are one durable write
+    assert (
+        s.lease_of("p") is None and again.lease_of("p") is None and again.aliases["p"].version == 1
+    )
+    assert s.reserve("p", "b", lease_ttl_s=60) == 2  # the next publisher need not wait
+    with pytest.raises(ServiceError) as ei:  # another's lease is not given back by a flip
+        s.set_alias("p", 2, "p@v2", ["r0"], lease_holder="a", release_lease=True)
+    assert ei.value.code == "publish_in_progress" and s.lease_of("p").holder == "b"
+    s.set_alias("p", 2, "p@v2", ["r0"], lease_holder="b")  # without it, the lease stays
+    assert s.lease_of("p").holder == "b"
+
+
 def test_the_written_log_follows_appends_trims_and_deletions(tmp_path, monkeypatch):
     # The state file's log is extended, not serialized again, at each write: what a restart
     # reads must still be the log, exactly, as it is appended to and capped.

@@ -431,12 +431,21 @@ class AdapterService:
         return judge(canary, answers, engine_kind(self.caps.kind).canary_tolerance)
 
     async def activate(self, name: str, version: int) -> AdapterRecord:
+        """Record ``version`` as the name's active one here (the one older versions make way
+        for). A newer active version stays so: versions only grow, and a publication's
+        activation can land after the next one's (each retires after its flip, without the
+        lease), so the older one is left as it is and returned."""
         async with self.locks[name]:
             item = self._get(name, version)
             if item.record.state not in _IN_ENGINE:
                 raise AdapterConflict(
                     f"{name!r} v{version} is {item.record.state.value}; load it before activating",
                 )
+            if any(
+                o.record.state == AdapterState.ACTIVE and o.record.version > version
+                for o in self.db.by_name(name)
+            ):
+                return item.record
             for other in self.db.by_name(name):
                 if other.record.state == AdapterState.ACTIVE and other.record.version != version:
                     r = other.record.model_copy(update={"state": AdapterState.LOADED})

@@ -121,6 +121,7 @@ class AsyncRouterClient:
         canary: dict[str, CanaryVerdict] | None = None,
         placement: list[str] | None = None,
         size: int | None = None,
+        release_lease: bool = False,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``, keeping the newest ``keep_versions`` routable.
 
@@ -131,7 +132,8 @@ class AsyncRouterClient:
         holder's lease). ``replicas`` hold it verified with ``digest``; ``lagging`` (a quorum
         publication): the replicas that did not take it, and why; ``canary``: how each of
         ``replicas`` answered the trainer's canary (kept in the table); ``placement``: the name's
-        placement set (None: every replica); ``size``: the bundle's bytes.
+        placement set (None: every replica); ``size``: the bundle's bytes; ``release_lease``:
+        give ``lease_holder``'s lease back in the same write.
         """
         req = SetAliasRequest(
             version=version,
@@ -146,6 +148,7 @@ class AsyncRouterClient:
             canary=canary or {},
             placement=placement,
             size=size,
+            release_lease=release_lease,
         )
         body = req.model_dump(exclude={"expected_version"})
         if not isinstance(expected_version, _NoCas):

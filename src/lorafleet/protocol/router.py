@@ -198,6 +198,10 @@ class SetAliasRequest(_Model):
     published to, holding or lagging; catch-up feeds only these. None: every replica."""
     size: int | None = Field(default=None, ge=0)
     """The bundle's bytes (kept in the table: tenants' byte quotas count them)."""
+    release_lease: bool = False
+    """Give ``lease_holder``'s lease back in the flip's own durable write: what follows the flip
+    (recording v active, draining and releasing older versions) needs no lease, and another
+    publisher of the name need not wait for it."""
 
 
 class AliasEntry(_Model):

@@ -28,6 +28,7 @@ from lorafleet.clients.router import AsyncRouterClient
 from lorafleet.errors import LorafleetError, PublishError, RemoteError
 from lorafleet.protocol.router import LagState
 from lorafleet.publisher._errors import is_not_found, publish_error_class, reason
+from lorafleet.publisher._lease import Lease
 from lorafleet.publisher._plan import Plan, ProgressCallback
 from lorafleet.publisher._replica import Agent, ReplicaTxn
 from lorafleet.publisher.carrier import Carrier
@@ -89,8 +90,11 @@ class Publication:
         skipped: Mapping[str, str] | None = None,
         lag_history: Mapping[str, LagState] | None = None,
         clock: StepClock | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.plan = plan
+        self.lease = lease
+        """The publisher's lease on the name, given back by the flip (with a router)."""
         self.clock = clock or StepClock()
         """Times this publication's steps (the caller's, to add its own)."""
         self.skipped = dict(skipped or {})
@@ -301,6 +305,11 @@ class Publication:
             return
         plan = self.plan
         self.flip_attempted = True
+        if self.lease is not None:
+            # The flip gives the lease back: what follows it (recording v active, draining and
+            # releasing what left the window) needs none, and the next publisher of the name
+            # need not wait for it. A renewal must not land after that and hold the name again.
+            await self.lease.stop_renewing()
         try:
             entry = await asyncio.wait_for(
                 self.router.set_alias(
@@ -327,9 +336,11 @@ class Publication:
                     },
                     placement=plan.placement,
                     size=plan.bundle.total_size,
+                    release_lease=self.lease is not None,
                 ),
                 self.timeouts.cutover,
             )
+            self._flipped()
             self.routable = [v.version for v in entry.window()]
         except BaseException as exc:
             refused = isinstance(exc, RemoteError) and 400 <= exc.status < 500
@@ -376,8 +387,13 @@ class Publication:
             and entry.engine_name == self.plan.engine_name
         )
         if applied:
+            self._flipped()
             self.routable = [v.version for v in entry.window()]  # type: ignore[union-attr]
         return applied
+
+    def _flipped(self) -> None:
+        if self.lease is not None:
+            self.lease.released = True  # in the flip's own write
 
     # -- phase 3 --------------------------------------------------------------------------------
     async def retire(self) -> list[int]:

@@ -201,6 +201,7 @@ class AliasStore:
         canary: dict[str, CanaryVerdict] | None = None,
         placement: list[str] | None = None,
         size: int | None = None,
+        release_lease: bool = False,
     ) -> AliasEntry:
         """Flip ``name`` to ``version``. ``expected_version`` left unset skips compare-and-set.
 
@@ -210,6 +211,7 @@ class AliasStore:
 
         The new window is ``version`` plus the newest ``keep_versions - 1`` versions that were
         routable before (the versions that fall out are no longer routable for new requests).
+        ``release_lease``: ``lease_holder``'s lease on ``name`` goes in the same write.
 
         Raises ``PublishInProgress`` (someone else holds the lease),
         ``VersionConflict`` (CAS failed, or ``version`` is not newer than the active one).
@@ -267,11 +269,14 @@ class AliasStore:
         # A version flipped to is taken, whoever chose its number (persisted with the flip).
         self.reserved[name] = max(self.reserved.get(name, 0), version)
         self._given.pop(name, None)
-        self._persist(aliases, log, event.seq, self.leases)
+        leases = self.leases
+        if release_lease and lease_holder is not None and name in leases:
+            leases = {k: v for k, v in leases.items() if k != name}
+        self._persist(aliases, log, event.seq, leases)
         # Swap after the write: what the caller is told is what a restart will find. The write
         # and the swap run in one synchronous block, so no request is resolved between them and
         # ``event.ts`` is, to the event loop, the instant the flip happened.
-        self.aliases, self.log, self.seq = aliases, log, event.seq
+        self.aliases, self.log, self.seq, self.leases = aliases, log, event.seq, leases
         self._changed()
         return entry
 

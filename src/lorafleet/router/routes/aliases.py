@@ -84,6 +84,7 @@ def routes(ctx: RouteContext) -> APIRouter:
                 canary=req.canary,
                 placement=req.placement,
                 size=req.size,
+                release_lease=req.release_lease,
                 **kw,
             )
         router.placer.listed(name, req.version)
