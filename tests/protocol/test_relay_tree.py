@@ -10,6 +10,7 @@ from lorafleet.protocol.relay import (
     RelayRates,
     depth,
     forward_plans,
+    measure,
     plan_fanout,
     relay_time,
     tree,
@@ -76,3 +77,56 @@ def test_forward_plans_name_each_nodes_children_and_wait_longer_near_the_root():
     root_wait = plans[0].files["adapter_model.safetensors"][0].answer_timeout_s
     leaf_wait = plans[1].files["adapter_model.safetensors"][0].answer_timeout_s
     assert root_wait > leaf_wait
+
+
+@given(
+    n=st.integers(2, 300),
+    f=st.integers(1, MAX_FANOUT),
+    size=st.integers(MiB, 2**31),
+    rate=st.floats(1e7, 5e9),
+    hop=st.floats(0.001, 0.5),
+)
+def test_a_measured_tree_gives_back_its_per_hop_time_and_receive_rate(n, f, size, rate, hop):
+    # Times laid out as the model says: each node's copy takes size / rate plus its own hop;
+    # each level above adds one hop to what its sender sees.
+    children = tree(n, f)
+    level = [0] * n
+    for i, kids in enumerate(children):
+        for c in kids:
+            level[c] = level[i] + 1
+    d = max(level)
+    own = size / rate + hop
+    seconds = own + d * hop
+    hops = [own + (d - level[i]) * hop for i in range(1, n)]
+    m = measure(size, f, seconds, hops)
+    assert m is not None and m.depth == d == depth(n, f)
+    assert abs(m.hop_s - hop) < 1e-6 * (1 + hop)
+    assert abs(m.rate_Bps - rate) / rate < 1e-6
+
+
+def test_no_measure_without_every_hops_time_or_for_a_lone_node():
+    assert measure(MiB, 1, 1.0, []) is None
+    assert measure(MiB, 1, 1.0, [0.5, None]) is None
+
+
+def test_learnt_rates_move_towards_the_measure_and_plan_from_it():
+    start = RelayRates()  # the defaults: a 10 Gbit/s link, 750 MiB/s, 57 ms a hop
+    # A chain on 400 Mbit/s links with 15 ms hops (the netbed's figures): two measures, four.
+    hop, rate, size, n = 0.015, 50e6, 64 * MiB, 8
+    own = size / rate + hop
+    m = measure(size, 1, own + (n - 1) * hop, [own + (n - 1 - i) * hop for i in range(1, n)])
+    assert m is not None
+    rates = start.learned(m).learned(m)
+    assert abs(rates.hop_s - (0.75 * hop + 0.25 * start.hop_s)) < 1e-9
+    assert rates.link_Bps < start.link_Bps / 3 and rates.recv_Bps < start.recv_Bps / 3
+    rates = rates.learned(m).learned(m)
+    assert abs(rates.recv_Bps - rate) < (start.recv_Bps - rate) / 15
+    # With what was learnt the planner keeps a chain at 8 (a fan-out shares the 400 Mbit/s link)
+    # where the defaults would have fanned out.
+    assert plan_fanout(n, size, rates) == 1 < plan_fanout(n, size, start)
+    # A small file teaches the per-hop time only.
+    small = measure(4096, 1, 0.2, [0.2 - i * 0.05 for i in range(1, 4)])
+    assert small is not None
+    kept = rates.learned(small)
+    assert (kept.link_Bps, kept.recv_Bps) == (rates.link_Bps, rates.recv_Bps)
+    assert abs(kept.hop_s - (0.5 * rates.hop_s + 0.5 * small.hop_s)) < 1e-12

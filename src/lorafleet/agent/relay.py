@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
@@ -57,6 +58,8 @@ class _Forward:
         self.space.set()
         self.ended = False
         self.hops: list[RelayHop] | None = None
+        self.first_byte: float | None = None
+        """When the first byte went out (``perf_counter``): a hop's ``seconds`` start there."""
         self.task = asyncio.create_task(self._run(http, credential), name="relay-forward")
 
     @property
@@ -64,6 +67,7 @@ class _Forward:
         return not self.task.done()
 
     def _hop(self, ok: bool, code: str | None = None, detail: str | None = None) -> RelayHop:
+        t0 = self.first_byte
         return RelayHop(
             url=self.target.url,
             upload_id=self.target.upload_id,
@@ -71,6 +75,7 @@ class _Forward:
             ok=ok,
             code=code,
             detail=detail,
+            seconds=None if t0 is None else time.perf_counter() - t0,
         )
 
     async def _body(self) -> AsyncIterator[bytes]:
@@ -91,6 +96,8 @@ class _Forward:
             self.buffered -= len(chunk)
             if self.buffered <= MAX_BUFFER:
                 self.space.set()
+            if self.first_byte is None:
+                self.first_byte = time.perf_counter()
             yield chunk
 
     async def _run(self, http: httpx.AsyncClient, credential: str) -> None:
@@ -214,19 +221,22 @@ async def send_file(
     durable prefix). Returns (the peer's verdict, bytes sent, the verdicts of the peers it
     forwarded the file to in turn, when its session relays)."""
     sent = 0
+    first_byte: float | None = None
 
     async def body() -> AsyncIterator[bytes]:
-        nonlocal sent
+        nonlocal sent, first_byte
         with open(src, "rb") as f:
             f.seek(offset)
             while data := await asyncio.to_thread(f.read, chunk):
                 sent += len(data)
+                if first_byte is None:
+                    first_byte = time.perf_counter()
                 yield data
 
     def hop(ok: bool, code: str | None = None, detail: str | None = None) -> RelayHop:
         return RelayHop(
             url=target.url, upload_id=target.upload_id, path=entry.path, ok=ok, code=code,
-            detail=detail,
+            detail=detail, seconds=None if first_byte is None else time.perf_counter() - first_byte,
         )  # fmt: skip
 
     headers = {

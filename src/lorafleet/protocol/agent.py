@@ -250,6 +250,9 @@ class RelayHop(_Model):
     code: str | None = None
     """Its error code (``digest_mismatch``, ...), ``transport`` (no answer) or ``stalled``."""
     detail: str | None = None
+    seconds: float | None = Field(default=None, ge=0)
+    """From the first byte sent to this hop until its verdict, as its sender saw it (what the
+    Publisher measures a tree's per-hop time and receive rate from: ``RelayMeasure``)."""
 
 
 class SendRequest(_Model):

@@ -10,7 +10,7 @@ from typing import Literal
 from lorafleet.bundle import AdapterBundle
 from lorafleet.protocol.agent import LoadMode, engine_name
 from lorafleet.protocol.canary import Canary
-from lorafleet.protocol.relay import RelayRates
+from lorafleet.protocol.relay import RelayMeasure, RelayRates
 from lorafleet.protocol.router import SessionPolicy
 
 __all__ = ["Mode", "Plan", "ProgressCallback", "Transfer"]
@@ -50,6 +50,8 @@ class Plan:
     """Relay: the link, receive and per-hop figures a planned tree is chosen by."""
     relay_stall_s: float = 10.0
     """Relay: a hop that moves no byte for this long is dropped and resumed by the Publisher."""
+    on_relay_measure: Callable[[RelayMeasure], None] | None = None
+    """Relay: told what each file's tree took (the Publisher learns its rates from it)."""
     canary: Canary | None = None
     """The trainer's canary, judged on every replica at the proof (``protocol/canary.py``)."""
     quorum: int | None = None

@@ -45,7 +45,7 @@ from lorafleet.protocol.agent import (
 )
 from lorafleet.protocol.errors import STATUS_BY_CODE, ErrorCode
 from lorafleet.protocol.manifest import FileEntry
-from lorafleet.protocol.relay import forward_plans, plan_fanout
+from lorafleet.protocol.relay import forward_plans, measure, plan_fanout
 from lorafleet.publisher._plan import Plan
 from lorafleet.publisher._replica import ReplicaTxn
 
@@ -150,6 +150,7 @@ class Relay:
                 log.warning("%s refused its forward plan: %s", holders[i].id, out)
         root = holders[0]
         verdicts: dict[str, RelayHop | FileProgress] = {}
+        t = time.perf_counter()
         try:
             prog = await root.send(entry)
         except (LorafleetError, TimeoutError):
@@ -157,6 +158,7 @@ class Relay:
         else:
             verdicts[root.upload_id or ""] = prog
             verdicts.update((hop.upload_id, hop) for hop in prog.relayed)
+            self._measured(entry, fanout, time.perf_counter() - t, holders, verdicts)
         pending = []
         for r in holders:
             verdict = verdicts.get(r.upload_id or "")
@@ -172,6 +174,26 @@ class Relay:
         # What a dead or stalled hop cut off (its subtree) is re-parented onto the replicas
         # that have the file, each copy resumed from its durable prefix.
         await asyncio.gather(*(self._repair(r, entry) for r in pending))
+
+    def _measured(
+        self,
+        entry: FileEntry,
+        fanout: int,
+        seconds: float,
+        holders: Sequence[ReplicaTxn],
+        verdicts: dict[str, RelayHop | FileProgress],
+    ) -> None:
+        """Tell the plan's listener what a tree that landed whole took (``protocol/relay.py``)."""
+        if self.plan.on_relay_measure is None:
+            return
+        root = verdicts.get(holders[0].upload_id or "")
+        hops = [verdicts.get(h.upload_id or "") for h in holders[1:]]
+        whole = isinstance(root, FileProgress) and root.complete
+        if not whole or not all(isinstance(v, RelayHop) and v.ok for v in hops):
+            return  # a broken tree's time is its repair's, not the rates'
+        m = measure(entry.size, fanout, seconds, [v.seconds for v in hops])  # type: ignore[union-attr]
+        if m is not None:
+            self.plan.on_relay_measure(m)
 
     async def _repair(self, rep: ReplicaTxn, entry: FileEntry) -> None:
         """Give ``rep`` the rest of ``entry`` from its durable prefix: from a replica that has
