@@ -284,9 +284,9 @@ def main() -> None:
         "--republish", action="store_true", help="publish the same bytes every time (deduplicated)"
     )
     ap.add_argument(
-        "--retire-in-background",
+        "--retire-inline",
         action="store_true",
-        help="Publisher(retire_in_background=True): publish() returns at the flip",
+        help="Publisher(retire_in_background=False): publish() returns after the retirement",
     )
     ap.add_argument(
         "--router-log",
@@ -295,7 +295,7 @@ def main() -> None:
         help="start the router with this many events in its flip log (a long-lived router's)",
     )
     a = ap.parse_args()
-    kw = {"retire_in_background": True} if a.retire_in_background else None
+    kw = {"retire_in_background": False} if a.retire_inline else None
     with tempfile.TemporaryDirectory(prefix="lf-bench-publish-") as tmp:
         for kind in a.fleets.split(","):
             run_fleet(

@@ -188,6 +188,49 @@ def test_republish_dedups_and_retires_old_version(fleet2, name, adapters):
     assert _alias(fleet2, name)["version"] == 3
 
 
+def test_the_flip_gives_the_lease_back_so_the_next_publisher_need_not_wait(fleet2, name, adapters):
+    # Publisher A's retirement of v1 is held at its drain; meanwhile publisher B (another
+    # holder, as another process would be) publishes v3 without a PublishInProgress.
+    gate = threading.Event()
+    with Publisher(
+        fleet2.agent_urls, router=fleet2.router.url, token=fleet2.token, retire_in_background=True
+    ) as a:
+        router = a._async.router
+        assert router is not None
+        drain = router.drain
+        held: list[int] = []
+
+        async def gated_drain(n: str, v: int, wait: float):
+            held.append(v)
+            for _ in range(3000):
+                if gate.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            return await drain(n, v, wait)
+
+        router.drain = gated_drain  # type: ignore[method-assign]
+        a.publish(str(adapters["a"]), name=name)
+        a.publish(str(adapters["b"]), name=name)
+        wait_until(lambda: held == [1], message="A's retirement held at v1's drain")
+        with Publisher(
+            fleet2.agent_urls,
+            router=fleet2.router.url,
+            token=fleet2.token,
+            retire_in_background=False,
+        ) as b:
+            r3 = b.publish(str(adapters["a"]), name=name)
+        assert r3.version == 3 and r3.retired_versions == [1, 2], r3.warnings
+        assert held == [1]  # A's retirement was still held all along
+        gate.set()
+        _, late = a.retirements()
+    # A's retirement, finishing after B's flip, left v3 alone: active on every replica.
+    assert late.version == 2 and late.error is None, late
+    for i in range(2):
+        assert {(x["version"], x["state"]) for x in fleet2.adapters(i, name)} == {(3, "active")}
+    assert _alias(fleet2, name)["version"] == 3
+    assert routed_greedy(fleet2.router, name)[1]["lorafleet"]["version"] == 3
+
+
 def test_retire_in_background_drains_before_release_and_reports_failures(fleet2, name, adapters):
     calls: list[tuple[str, int]] = []
     gate = threading.Event()
@@ -239,7 +282,7 @@ def test_retire_in_background_drains_before_release_and_reports_failures(fleet2,
         assert calls == [("drain", 1), ("unload", 1), ("unload", 1)]
         for i in range(2):
             assert {(a["version"], a["state"]) for a in fleet2.adapters(i, name)} == {(2, "active")}
-        # The lease was given back after the retirement: another holder may take it.
+        # The lease was given back by the flip: another holder may take it.
         httpx.post(
             f"{fleet2.router.url}/v1/control/leases/{name}",
             json={"holder": "someone-else", "ttl_s": 1},

@@ -15,6 +15,7 @@ import pytest
 
 from lorafleet.bundle import AdapterBundle
 from lorafleet.errors import PublishError
+from lorafleet.protocol.relay import RelayRates
 from lorafleet.publisher import Publisher
 from lorafleet.testing import ALL_LINEAR, make_peft_adapter, make_peft_model, merged_greedy_ids
 from tests.netfaults import FaultyLink
@@ -61,6 +62,13 @@ def test_a_tree_of_fanout_two_sends_one_copy(launcher, make_fleet, small, tiny_m
     root, *rest = (res.replicas[_id(a)] for a in fleet.agents)
     assert (root.bytes_sent, root.bytes_relayed) == (size, 0)
     assert [(t.bytes_sent, t.bytes_relayed) for t in rest] == [(0, size)] * 2
+    # Each file's tree was timed (every hop reports its own copy's time), and the Publisher,
+    # given no rates, planned the next one with what it measured.
+    files = AdapterBundle.from_dir(small, name="x").manifest.files
+    assert sorted(m.size for m in res.relay_measured) == sorted(f.size for f in files)
+    for m in res.relay_measured:
+        assert (m.nodes, m.fanout, m.depth) == (3, 2, 1) and 0 < m.leaf_s <= m.seconds, m
+    assert pub._async.relay_rates.hop_s != RelayRates().hop_s
     _serves(fleet, tiny_model, small, 1)
     assert fleet.staging_bytes() == [0, 0, 0]
 

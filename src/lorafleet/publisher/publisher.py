@@ -49,9 +49,10 @@ from lorafleet.protocol.agent import MAX_FANOUT, AdapterRecord, AdapterState
 from lorafleet.protocol.canary import Canary
 from lorafleet.protocol.names import check_name
 from lorafleet.protocol.placement import rendezvous
-from lorafleet.protocol.relay import RelayRates
+from lorafleet.protocol.relay import RelayMeasure, RelayRates
 from lorafleet.protocol.router import LagState, ReplicaList, SessionPolicy
 from lorafleet.publisher._errors import publish_error_class, reason
+from lorafleet.publisher._lease import Lease
 from lorafleet.publisher._plan import Mode, Plan, ProgressCallback, Transfer
 from lorafleet.publisher._replica import Agent
 from lorafleet.publisher._transaction import Publication, to_the_end
@@ -93,27 +94,29 @@ class AsyncPublisher:
         relay_stall_s: float = 10.0,
         relay_rates: RelayRates | None = None,
         carriers: Mapping[str, Carrier] | None = None,
-        retire_in_background: bool = False,
+        retire_in_background: bool = True,
     ) -> None:
         """Raises ``ValueError`` without agents. Connects to nothing until the first call.
 
-        ``retire_in_background``: ``publish()`` returns once v serves (the alias flip); v is
-        recorded active and the versions that left the window are drained and released after,
-        under the lease, which is given back then. The next publication of the name by this
-        Publisher waits for that (as it waits for the one before it), and ``close()`` waits for
-        it, so nothing changes for the fleet, only when the call returns (an async RL loop gets
-        its step back ~30 ms sooner: bench/RESULTS.md); the outcome is logged, added to the next
-        result's ``warnings`` where it fell short, and returned by ``retirements()``.
-        ``retired_versions`` is then empty. Another Publisher (another process) publishing the
-        name meanwhile is refused the lease (``PublishInProgress``), as during any publication:
-        hence not the default.
+        ``retire_in_background`` (default): ``publish()`` returns once v serves (the alias
+        flip, which also gives the name's lease back); v is recorded active and the versions
+        that left the window are drained and released after, in a task. The next publication of
+        the name by this Publisher waits for that (as it waits for the one before it), and
+        ``close()`` waits for it, so nothing changes for the fleet, only when the call returns
+        (an async RL loop gets its step back ~30 ms sooner: bench/RESULTS.md); the outcome is
+        logged, added to the next result's ``warnings`` where it fell short, and returned by
+        ``retirements()``. ``retired_versions`` is then empty. Another Publisher may publish
+        the name meanwhile: each retirement touches only versions older than its own that left
+        the window, and an agent never lets an older activation demote a newer one. False:
+        ``publish()`` returns once the retirement is done, with ``retired_versions``.
 
         ``verify``: before the cutover, each agent checks that its engine applies the new
         version, asked the way the router will ask (``AdapterNotApplied`` fails the replica).
 
         ``relay_fanout``, ``relay_stall_s``, ``relay_rates``: the relay transfer's tree (each
         agent forwards a file to this many others; 1 is a chain; None, the default, plans it
-        for each file from the number of replicas and ``relay_rates``: docs/transfer.md) and
+        for each file from the number of replicas and ``relay_rates``, which the Publisher
+        learns from every tree it sends down when none are given: docs/transfer.md) and
         how long a hop may move no byte before it is dropped and its subtree re-parented. Agents
         reach each other at the URLs given here, so these must be reachable from the agents
         too.
@@ -130,6 +133,8 @@ class AsyncPublisher:
         self.relay_fanout = relay_fanout
         self.relay_stall_s = relay_stall_s
         self.relay_rates = relay_rates or RelayRates()
+        self.learn_relay_rates = relay_rates is None
+        """Rates not given: each relayed file's tree refines them (``RelayRates.learned``)."""
         self.carriers: dict[str, Carrier] = {"relay": relay, **(carriers or {})}
         self.timeouts = timeouts or Timeouts()
         self.shared_dir = Path(shared_dir) if shared_dir else None
@@ -298,8 +303,9 @@ class AsyncPublisher:
             async with contextlib.AsyncExitStack() as stack:
                 with clock.step("begin"):
                     begun = await self._begin(name, version, fail=quorum is None)
+                lease = None
                 if self.router is not None:
-                    await stack.enter_async_context(self._lease_held(name, clock))
+                    lease = await stack.enter_async_context(self._lease_held(name, clock))
                 attempt = _Attempt()
                 try:
                     if begun.unreachable and quorum is None:
@@ -312,7 +318,7 @@ class AsyncPublisher:
                         begun.lag, begun.unreachable, quorum, mode=mode, transfer=transfer,
                         keep_versions=keep_versions, max_staleness=max_staleness,
                         sessions=sessions, t_start=t_start, build_s=build_s, canary=canary,
-                        max_replicas=max_replicas, clock=clock, begun=begun,
+                        max_replicas=max_replicas, clock=clock, begun=begun, lease=lease,
                     )  # fmt: skip
                 except BaseException:
                     if self.router is not None and not attempt.burnt:
@@ -399,9 +405,11 @@ class AsyncPublisher:
         max_replicas: int | None = None,
         clock: StepClock | None = None,
         begun: _Begun | None = None,
+        lease: Lease | None = None,
     ) -> PublishResult:
         """The publication proper, under the lease, with its version number taken. ``begun``:
-        what ``_begin`` read already (the router's view of the replicas, the adapter lists)."""
+        what ``_begin`` read already (the router's view of the replicas, the adapter lists);
+        ``lease``: the lease it holds, which its flip gives back."""
         clock = clock or StepClock()
         skipped: dict[str, str] = {}
         if quorum is not None:
@@ -442,6 +450,7 @@ class AsyncPublisher:
             )
         if bundle.version != version:
             bundle = bundle.with_version(version)
+        measured: list[RelayMeasure] = []
         plan = Plan(
             bundle,
             mode,
@@ -459,6 +468,7 @@ class AsyncPublisher:
             relay_fanout=self.relay_fanout,
             relay_stall_s=self.relay_stall_s,
             relay_rates=self.relay_rates,
+            on_relay_measure=measured.append,
             quorum=quorum,
             canary=canary,
             placement=placement,
@@ -474,14 +484,20 @@ class AsyncPublisher:
             skipped=skipped,
             lag_history=lag,
             clock=clock,
+            lease=lease,
         )
         attempt.publication = publication
         try:
-            return await publication.run(
+            result = await publication.run(
                 t_start=t_start, build_s=build_s, retire_later=self.retire_in_background
             )
         finally:
             attempt.burnt = publication.burns
+            if self.learn_relay_rates:
+                for m in measured:
+                    self.relay_rates = self.relay_rates.learned(m)
+        result.relay_measured = measured
+        return result
 
     # -- the lease and the version --------------------------------------------------------------
     async def _begin(self, name: str, version: int | None, *, fail: bool) -> _Begun:
@@ -575,37 +591,19 @@ class AsyncPublisher:
         return entry.version, window, dict(entry.lagging), got.version, seen
 
     @contextlib.asynccontextmanager
-    async def _lease_held(self, name: str, clock: StepClock) -> AsyncIterator[None]:
+    async def _lease_held(self, name: str, clock: StepClock) -> AsyncIterator[Lease]:
         """Keep the lease ``_begin`` took on ``name`` while the body runs (renewed), then give
-        it back."""
-        # A long upload must not outlive the lease: renew it while the publication runs.
-        heartbeat = asyncio.create_task(self._keep_lease(name))
+        it back, unless the flip gave it back already."""
+        assert self.router is not None
+        lease = Lease(self.router, name, self.holder, self.timeouts.lease_ttl)
         try:
-            yield
+            yield lease
         finally:
             with (
                 clock.step("lease_release"),
                 contextlib.suppress(LorafleetError, asyncio.CancelledError),
             ):
-                await to_the_end(self._end_lease(name, heartbeat))
-
-    async def _end_lease(self, name: str, heartbeat: asyncio.Task) -> None:
-        assert self.router is not None
-        heartbeat.cancel()
-        # A renewal still in flight must not land after the release and hold the name again.
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeat
-        await self.router.release_lease(name, self.holder)
-
-    async def _keep_lease(self, name: str) -> None:
-        # A periodic renewal, not a retry: a failed one is simply tried again at the next beat,
-        # well before the lease (three beats long) runs out.
-        assert self.router is not None
-        ttl = self.timeouts.lease_ttl
-        while True:
-            await asyncio.sleep(ttl / 3)
-            with contextlib.suppress(LorafleetError):
-                await self.router.acquire_lease(name, self.holder, ttl)
+                await to_the_end(lease.end())
 
     async def _active(self, name: str) -> tuple[int | None, tuple[int, ...], dict[str, LagState]]:
         """(the active version, the routable versions newest first, the lagging replicas) of

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from lorafleet.protocol.canary import CanaryVerdict
+from lorafleet.protocol.relay import RelayMeasure
 
 __all__ = [
     "STEPS",
@@ -39,9 +40,10 @@ publication of the name in this Publisher (or its retirement in the background);
 one round trip's time: learn the agents and see them answer, the router's lease with the version
 number and the active version (one call), the router's view of the replicas, the agents'
 adapter lists; check the replicas the router sees down; check room on the engines; stage, load
-and probe on every replica; the alias flip; record v active on the agents; drain and release the
-versions that left the window; give the lease back. With ``retire_in_background`` the last
-three run after ``publish()`` returns (``Retirement``)."""
+and probe on every replica; the alias flip (which gives the lease back in the same write); record
+v active on the agents; drain and release the versions that left the window; stop renewing the
+lease (a call only if the flip did not give it back). With ``retire_in_background`` (the
+default) the last three run after ``publish()`` returns (``Retirement``)."""
 
 
 class StepClock:
@@ -144,8 +146,12 @@ class PublishResult:
     active_version: int
     replicas: dict[str, ReplicaTiming] = field(default_factory=dict)
     retired_versions: list[int] = field(default_factory=list)
+    """The versions this call released (empty with ``retire_in_background``: ``Retirement``)."""
     routable_versions: list[int] = field(default_factory=list)
     """The name's retention window after this publication, newest first (``name@vN``)."""
+    relay_measured: list[RelayMeasure] = field(default_factory=list)
+    """Relay: what each file's tree took (per-hop time, receive rate), for files whose tree
+    landed whole; what the Publisher's ``relay_rates`` learn from."""
     warnings: list[str] = field(default_factory=list)
     lagging: dict[str, Lagging] = field(default_factory=dict)
     """Quorum: the replicas that did not take this version (by replica id), and why."""
@@ -173,9 +179,9 @@ class PublishResult:
 
 @dataclass
 class Retirement:
-    """What a retirement run in the background did (``Publisher(retire_in_background=True)``):
-    v recorded active on every agent, the versions that left the window drained at the router
-    and then released, the lease given back."""
+    """What a retirement run in the background did (``Publisher(retire_in_background=True)``,
+    the default): v recorded active on every agent, the versions that left the window drained
+    at the router and then released."""
 
     name: str
     version: int
