@@ -188,6 +188,14 @@ def test_republish_dedups_and_retires_old_version(fleet2, name, adapters):
     assert _alias(fleet2, name)["version"] == 3
 
 
+async def _held_until(gate: threading.Event) -> None:
+    """Hold a retirement (at most 30 s) until the test has looked."""
+    for _ in range(3000):
+        if gate.is_set():
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_the_flip_gives_the_lease_back_so_the_next_publisher_need_not_wait(fleet2, name, adapters):
     # Publisher A's retirement of v1 is held at its drain; meanwhile publisher B (another
     # holder, as another process would be) publishes v3 without a PublishInProgress.
@@ -202,10 +210,7 @@ def test_the_flip_gives_the_lease_back_so_the_next_publisher_need_not_wait(fleet
 
         async def gated_drain(n: str, v: int, wait: float):
             held.append(v)
-            for _ in range(3000):
-                if gate.is_set():
-                    break
-                await asyncio.sleep(0.01)
+            await _held_until(gate)
             return await drain(n, v, wait)
 
         router.drain = gated_drain  # type: ignore[method-assign]
@@ -247,10 +252,7 @@ def test_retire_in_background_drains_before_release_and_reports_failures(fleet2,
 
         async def gated_drain(n: str, v: int, wait: float):
             calls.append(("drain", v))
-            for _ in range(3000):  # hold the retirement until the test has looked
-                if gate.is_set():
-                    break
-                await asyncio.sleep(0.01)
+            await _held_until(gate)
             if fail_next_drain.is_set():
                 calls[-1] = ("drain failed", v)
                 raise TransportError("the router went away")
