@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import os
 import secrets
-from collections.abc import Awaitable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,7 +33,7 @@ from lorafleet.protocol.agent import (
 )
 from lorafleet.protocol.canary import Canary, CanaryVerdict
 from lorafleet.protocol.manifest import FileEntry, Manifest
-from lorafleet.protocol.relay import RelayRates, forward_plans, plan_fanout
+from lorafleet.protocol.relay import RelayMeasure, RelayRates, forward_plans, measure, plan_fanout
 
 __all__ = ["InstallTimeouts", "ReplicaInstall", "feed_tree"]
 
@@ -265,6 +266,7 @@ async def feed_tree(
     *,
     stall_s: float = 10.0,
     rates: RelayRates = RelayRates(),
+    on_measure: Callable[[RelayMeasure], None] | None = None,
 ) -> dict[int, str]:
     """Feed many installs of one version from one peer through a relay tree: their sessions
     are open (``open(relay=...)`` with ``credential``'s digest; ``urls[i]`` is the agent of
@@ -272,7 +274,9 @@ async def feed_tree(
     ``plan_fanout``, each forwarding while it receives, and ``peer`` sends it once, to the
     root. Every copy is verified by its own agent, as any upload. Nothing is committed here.
     Returns the installs (by index) whose copy did not land, and why: their callers feed them
-    another way (``from_peer``); the rest hold every file."""
+    another way (``from_peer``); the rest hold every file. Each file's tree that landed whole
+    is timed and its measurement given to ``on_measure`` (``protocol/relay.measure``), so that
+    its caller learns the rates the next tree is planned with."""
     failed: dict[int, str] = {}
     manifest = installs[0].manifest
     assert manifest is not None
@@ -305,15 +309,21 @@ async def feed_tree(
             paths=[entry.path],
             stall_s=stall_s,
         )
+        started = time.monotonic()
         try:
             sent = await asyncio.wait_for(peer.send(req, bound), bound)
         except (LorafleetError, TimeoutError) as exc:
             failed.update((i, f"{entry.path}: the peer could not send ({exc})") for i in idx)
             continue
+        seconds = time.monotonic() - started
         verdicts = {h.upload_id: h for h in (*sent.hops, *sent.relayed)}
-        for i, t in zip(idx, targets, strict=True):
-            hop = verdicts.get(t.upload_id)
+        hops = [verdicts.get(t.upload_id) for t in targets]
+        for i, hop in zip(idx, hops, strict=True):
             if hop is None or not hop.ok:
                 why = "no verdict" if hop is None else f"{hop.code}: {hop.detail}"
                 failed[i] = f"{entry.path}: {why}"
+        if on_measure is not None and all(h is not None and h.ok for h in hops):
+            m = measure(entry.size, fanout, seconds, [h.seconds for h in hops[1:]])  # type: ignore[union-attr]
+            if m is not None:
+                on_measure(m)
     return failed

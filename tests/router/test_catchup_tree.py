@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from lorafleet.launch import Launcher
+from lorafleet.protocol.relay import RelayRates
 from lorafleet.publisher import Publisher
 from lorafleet.testing import ALL_LINEAR, make_peft_adapter, wait_until
 
@@ -93,6 +94,14 @@ def test_five_wiped_replicas_catch_up_through_a_tree(make_fleet, tiny_model, tmp
             for i in wiped
         )
         assert trees >= 1, trees
+        # Each tree that landed whole was timed, and the next one is planned from what it took.
+        status = httpx.get(
+            fleet.router.url + "/v1/control/catch-up",
+            headers={"Authorization": f"Bearer {fleet.token}"},
+            timeout=10,
+        ).json()
+        assert status["learned_from"] >= 1, status
+        assert status["relay_rates"]["hop_s"] != RelayRates().hop_s, status
         # Lagging replicas fed each other: a copy moved agent to agent below the source peer.
         assert forwarded >= 1, forwarded
         for i in range(N):

@@ -69,6 +69,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from lorafleet.protocol.agent import check_local_path
 from lorafleet.protocol.canary import CanaryVerdict
 from lorafleet.protocol.names import AdapterName, EngineName, LeaseHolder, Version
+from lorafleet.protocol.relay import RelayRates
 
 __all__ = [
     "ADAPTER_HEADER",
@@ -394,6 +395,11 @@ class CatchUpTree(_Model):
 
 class CatchUpList(_Model):
     trees: list[CatchUpTree]
+    relay_rates: RelayRates | None = None
+    """What catch-up plans its next tree with: its defaults, refined by each tree that landed
+    whole (``RelayRates.learned``); None without catch-up."""
+    learned_from: int = 0
+    """How many trees' measurements the rates were refined by."""
 
 
 class RegisterRequest(_Model):

@@ -49,6 +49,7 @@ from lorafleet.protocol.agent import (
     credential_digest,
     engine_name,
 )
+from lorafleet.protocol.relay import RelayMeasure, RelayRates
 from lorafleet.protocol.router import AliasEntry, RoutableVersion
 from lorafleet.router.table import AliasStore
 
@@ -132,6 +133,14 @@ class CatchUp:
         self.progress: dict[tuple[str, int, str], list[int]] = {}
         """(name, version, source replica) -> [replicas fed so far, replicas in that tree]:
         the trees under way (``lorafleet status``)."""
+        self.relay_rates = RelayRates()
+        """What the next tree is planned with: each tree that landed whole refines them
+        (``RelayRates.learned``), as the Publisher's do."""
+        self.learned_from = 0
+
+    def _learn(self, m: RelayMeasure) -> None:
+        self.relay_rates = self.relay_rates.learned(m)
+        self.learned_from += 1
 
     def client(self, url: str) -> AsyncAgentClient:
         assert self._http is not None
@@ -419,6 +428,8 @@ class CatchUp:
                 [group[k][0].agent_url for k in live],
                 peer,
                 credential,
+                rates=self.relay_rates,
+                on_measure=self._learn,
             )
             log.info(
                 "catch-up of %s v%d: %d replicas fed through one tree from %s (%d direct)",

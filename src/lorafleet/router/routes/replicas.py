@@ -83,7 +83,9 @@ def routes(ctx: RouteContext) -> APIRouter:
             trees=[
                 CatchUpTree(name=n, version=v, source=src, fed=fed, replicas=of)
                 for (n, v, src), (fed, of) in sorted(router.catch_up.progress.items())
-            ]
+            ],
+            relay_rates=router.catch_up.relay_rates,
+            learned_from=router.catch_up.learned_from,
         )
 
     @api.put(
