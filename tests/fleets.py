@@ -22,7 +22,12 @@ from lorafleet.agent.spec import AgentSpec
 from lorafleet.engine.spec import ReferenceEngineSpec
 from lorafleet.launch import Launcher, Server
 from lorafleet.router.spec import RouterSpec
-from lorafleet.testing import start_agent, start_reference_engine, start_router, wait_until
+from lorafleet.testing import (
+    agent_spec,
+    reference_engine_spec,
+    start_router,
+    wait_until,
+)
 
 
 @dataclass
@@ -182,24 +187,29 @@ class FleetFactory:
         token = secrets.token_urlsafe(12)
         ranks = ranks or [64] * n
         assert len(ranks) == n, (ranks, n)
+        # The engines and agents start at once and the fleet waits for them together: each
+        # engine's torch import takes seconds of CPU, a socket server's URL is known at spawn,
+        # and an agent is ready only once its engine answers.
         engines = [
-            start_reference_engine(launcher, self.model, max_loras=max_loras, max_lora_rank=rank)
-            for rank in ranks
+            launcher.spawn(reference_engine_spec(self.model, max_loras=max_loras, max_lora_rank=r))
+            for r in ranks
         ]
         replicas = []
         for i, (engine, rank) in enumerate(zip(engines, ranks, strict=True)):
             rid = f"r{i}-{engine.port}" if replica_ids else None
-            agent = start_agent(
-                launcher,
-                engine,
-                root / f"agent{i}",
-                token=token,
-                replica_id=rid,
-                max_lora_rank=rank,
-                shared_fs_allow=(shared,) if shared else (),
+            agent = launcher.spawn(
+                agent_spec(
+                    engine,
+                    root / f"agent{i}",
+                    token=token,
+                    replica_id=rid,
+                    max_lora_rank=rank,
+                    shared_fs_allow=(shared,) if shared else (),
+                )
             )
             replicas.append(Replica(rid or f"{agent.host}:{agent.port}", engine, agent))
         fleet = Fleet(launcher, replicas, token, health_interval)
+        launcher.wait_ready(*engines, *fleet.agents)
         if router:
             fleet.router = fleet.start_router(state_dir=root / "router")
         return fleet

@@ -34,11 +34,13 @@ from lorafleet.router.spec import RouterSpec
 __all__ = [
     "ALL_LINEAR",
     "DEFAULT_TARGETS",
+    "agent_spec",
     "greedy_completion",
     "make_peft_adapter",
     "make_peft_model",
     "merged_greedy",
     "merged_greedy_ids",
+    "reference_engine_spec",
     "sglang_python",
     "start_agent",
     "start_dataplane",
@@ -152,16 +154,38 @@ def start_reference_engine(
     --dialect sglang``); ``extra``: more engine options (``--sglang-upsert``...).
     """
     return launcher.start(
-        ReferenceEngineSpec(
-            model=Path(model),
+        reference_engine_spec(
+            model,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             api_key=api_key,
             port=port,
             dialect=dialect,
-            extra=tuple(extra),
-            name="engine" if dialect == "vllm" else f"engine-{dialect}",
+            extra=extra,
         )
+    )
+
+
+def reference_engine_spec(
+    model: Path,
+    *,
+    max_loras: int = 8,
+    max_lora_rank: int = 64,
+    api_key: str | None = None,
+    port: int = 0,
+    dialect: str = "vllm",
+    extra: tuple[str, ...] | list[str] = (),
+) -> ReferenceEngineSpec:
+    """What ``start_reference_engine`` starts, for ``Launcher.spawn`` (many at once)."""
+    return ReferenceEngineSpec(
+        model=Path(model),
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        api_key=api_key,
+        port=port,
+        dialect=dialect,
+        extra=tuple(extra),
+        name="engine" if dialect == "vllm" else f"engine-{dialect}",
     )
 
 
@@ -184,19 +208,48 @@ def start_agent(
     ``token`` defaults to a fresh random one: ``server.spec.token``.
     """
     return launcher.start(
-        AgentSpec(
-            engine_url=engine if isinstance(engine, str) else engine.url,
-            data_dir=Path(data_dir),
-            engine=kind,
-            token=token or secrets.token_urlsafe(16),
+        agent_spec(
+            engine,
+            data_dir,
+            kind=kind,
+            token=token,
             replica_id=replica_id,
-            settings=AgentSettings(
-                max_lora_rank=max_lora_rank, shared_fs_allow=[str(p) for p in shared_fs_allow]
-            ),
-            extra=tuple(extra),
+            max_lora_rank=max_lora_rank,
+            shared_fs_allow=shared_fs_allow,
+            extra=extra,
             port=port,
-            ready_timeout=timeout,
+            timeout=timeout,
         )
+    )
+
+
+def agent_spec(
+    engine: Server | str,
+    data_dir: Path,
+    *,
+    kind: str = "reference",
+    token: str | None = None,
+    replica_id: str | None = None,
+    max_lora_rank: int | None = None,
+    shared_fs_allow: tuple[Path, ...] = (),
+    extra: tuple[str, ...] | list[str] = (),
+    port: int = 0,
+    timeout: float = 60,
+) -> AgentSpec:
+    """What ``start_agent`` starts, for ``Launcher.spawn`` (many at once; the agent is ready
+    once its engine answers, so it may be spawned beside its engine)."""
+    return AgentSpec(
+        engine_url=engine if isinstance(engine, str) else engine.url,
+        data_dir=Path(data_dir),
+        engine=kind,
+        token=token or secrets.token_urlsafe(16),
+        replica_id=replica_id,
+        settings=AgentSettings(
+            max_lora_rank=max_lora_rank, shared_fs_allow=[str(p) for p in shared_fs_allow]
+        ),
+        extra=tuple(extra),
+        port=port,
+        ready_timeout=timeout,
     )
 
 
