@@ -17,9 +17,10 @@ os.environ.update(RAY_ENV)
 NODES = 3
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[object]:
-    """The cluster (2 CPUs and a 200 MiB object store per node), this process its driver."""
+    """The cluster (2 CPUs and a 200 MiB object store per node), this process its driver.
+    Stopped after this package's last test: idle, its daemons still take a tenth of a core."""
     if importlib.util.find_spec("ray") is None:  # not imported here: see local_cluster
         pytest.skip("the ray extra is not installed")
     from lorafleet.testing.raycluster import local_cluster
