@@ -1,13 +1,17 @@
-"""Promise 1 and 3 under load: 100 atomic publications while ~50 req/s hit the alias.
+"""Promise 1 and 3 under load: 40 atomic publications while ~50 req/s hit the alias.
 
 Zero requests may fail, every response's version must be the one active at its arrival (or the
 one published while it waited), and no response may be produced by two versions. The checker is
 shown to catch violations in tests/router (synthetic traces and a deliberately broken router).
+
+``LORAFLEET_CONSISTENCY_PUBLICATIONS=1000`` runs a longer sweep (each publication takes about a
+second under this load on 2 cores; 40 in each mode already cross many flips mid-request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import httpx
@@ -21,7 +25,7 @@ from lorafleet.testing.consistency import check, generate_load
 
 pytestmark = pytest.mark.timeout(600)
 
-PUBLICATIONS = 100
+PUBLICATIONS = int(os.environ.get("LORAFLEET_CONSISTENCY_PUBLICATIONS", "40"))
 
 
 async def _routed(router_url: str, name: str) -> float:
@@ -38,9 +42,7 @@ async def _routed(router_url: str, name: str) -> float:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_100_publications_under_load_are_consistent(
-    launcher, make_fleet, tiny_model, tmp_path, stream
-):
+def test_publications_under_load_are_consistent(launcher, make_fleet, tiny_model, tmp_path, stream):
     fleet = make_fleet(launcher, 2)
     adapters = [
         make_peft_adapter(tiny_model, tmp_path / f"a{i}", r=8, seed=50 + i) for i in range(2)
