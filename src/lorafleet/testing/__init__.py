@@ -138,32 +138,15 @@ def merged_greedy_ids(
 
 
 def start_reference_engine(
-    launcher: Launcher,
-    model: Path,
-    *,
-    max_loras: int = 8,
-    max_lora_rank: int = 64,
-    api_key: str | None = None,
-    port: int = 0,
-    dialect: str = "vllm",
-    extra: tuple[str, ...] | list[str] = (),
+    launcher: Launcher, model: Path, **options: Any
 ) -> Server[ReferenceEngineSpec]:
-    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health.
+    """``lorafleet engine`` on ``model`` served as "tiny", ready on /health; ``options`` as
+    ``reference_engine_spec``.
 
     ``dialect="sglang"``: it behaves as a real SGLang 0.5.23 server (``lorafleet engine
     --dialect sglang``); ``extra``: more engine options (``--sglang-upsert``...).
     """
-    return launcher.start(
-        reference_engine_spec(
-            model,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            api_key=api_key,
-            port=port,
-            dialect=dialect,
-            extra=extra,
-        )
-    )
+    return launcher.start(reference_engine_spec(model, **options))
 
 
 def reference_engine_spec(
@@ -190,37 +173,14 @@ def reference_engine_spec(
 
 
 def start_agent(
-    launcher: Launcher,
-    engine: Server | str,
-    data_dir: Path,
-    *,
-    kind: str = "reference",
-    token: str | None = None,
-    replica_id: str | None = None,
-    max_lora_rank: int | None = None,
-    shared_fs_allow: tuple[Path, ...] = (),
-    extra: tuple[str, ...] | list[str] = (),
-    port: int = 0,
-    timeout: float = 60,
+    launcher: Launcher, engine: Server | str, data_dir: Path, **options: Any
 ) -> Server[AgentSpec]:
-    """``lorafleet agent`` in front of ``engine`` (a server or a URL), ready when /health is 200.
+    """``lorafleet agent`` in front of ``engine`` (a server or a URL), ready when /health is 200;
+    ``options`` as ``agent_spec``.
 
     ``token`` defaults to a fresh random one: ``server.spec.token``.
     """
-    return launcher.start(
-        agent_spec(
-            engine,
-            data_dir,
-            kind=kind,
-            token=token,
-            replica_id=replica_id,
-            max_lora_rank=max_lora_rank,
-            shared_fs_allow=shared_fs_allow,
-            extra=extra,
-            port=port,
-            timeout=timeout,
-        )
-    )
+    return launcher.start(agent_spec(engine, data_dir, **options))
 
 
 def agent_spec(
