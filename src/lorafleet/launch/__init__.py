@@ -18,7 +18,8 @@ its whole process group::
         print(agent.url)  # http://127.0.0.1:<the port the launcher bound>
 
 Used by ``lorafleet up`` (``LocalFleet``), the demo, ``lorafleet.testing``, the tests and the
-benchmarks.
+benchmarks. ``forkserver`` starts lorafleet's own servers as forks of a process that imported
+their modules once, where a caller opts in (the test suite does).
 """
 
 from lorafleet.launch.launcher import Launcher, Server

@@ -10,8 +10,11 @@ import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
+
+from lorafleet.launch import forkserver
 
 __all__ = ["ManagedProcess", "ProcessExited", "lorafleet_argv"]
 
@@ -68,15 +71,7 @@ class ManagedProcess:
             self._log_start = self._log.tell()
         else:
             self._log = subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=cwd,
-            start_new_session=True,
-            pass_fds=tuple(pass_fds),
-        )
+        self.proc = _start(self.argv, self._log, full_env, cwd, tuple(pass_fds))
 
     @property
     def pid(self) -> int:
@@ -159,3 +154,28 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _start(
+    argv: list[str],
+    log: BinaryIO | int,
+    env: dict[str, str],
+    cwd: str | os.PathLike | None,
+    pass_fds: tuple[int, ...],
+) -> subprocess.Popen | forkserver.ForkedProcess:
+    """A fork of the fork server in use that serves ``argv`` (see ``forkserver``), else a new
+    process, in its own session either way."""
+    server = forkserver.server_for(argv)
+    if server is not None:
+        log_fd = None if isinstance(log, int) else log.fileno()
+        with contextlib.suppress(forkserver.ForkRefused):
+            return server.spawn(argv, env=env, cwd=cwd, log_fd=log_fd, pass_fds=pass_fds)
+    return subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+        pass_fds=pass_fds,
+    )
