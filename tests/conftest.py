@@ -50,6 +50,20 @@ def fork_servers(tmp_path_factory) -> Iterator[list[forkserver.ForkServer]]:
     yield servers
     for server in servers:
         server.stop()
+    _FORK_SUMMARY.extend(
+        f"fork server ({', '.join(sorted(s.commands))}): {s.forked} forked, "
+        f"{sum(s.refused.values())} started the usual way {dict(s.refused) or ''}"
+        for s in servers
+    )
+
+
+_FORK_SUMMARY: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many servers were forked: a refusal (an environment that differs) costs seconds."""
+    for line in _FORK_SUMMARY:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import contextlib
 import fcntl
 import gc
@@ -82,10 +83,18 @@ ENGINE_PRELOAD: tuple[str, ...] = (
 )
 """What ``lorafleet engine`` imports before it serves (torch, transformers, peft)."""
 
-# Variables that modules read while they are imported: a child whose value differs would run with
-# the server's value, so such a request is refused.
-_IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_",
-                    "KMP_", "PYTHON", "TOKENIZERS_", "CUDA", "LD_")  # fmt: skip
+# Variables read while the interpreter starts or a preloaded module is imported: a child whose
+# value differs would run with the server's, so such a request is refused. Others (Ray's
+# PYTHONBREAKPOINT in a driver, a test's own settings) are read at run time and pass.
+_IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_",
+                         "MKL_", "KMP_", "TOKENIZERS_", "CUDA", "LD_")  # fmt: skip
+_INTERPRETER_ENV = frozenset({
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONIOENCODING",
+    "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE", "PYTHONSAFEPATH", "PYTHONUTF8",
+    "PYTHONDEVMODE", "PYTHONFAULTHANDLER", "PYTHONTRACEMALLOC", "PYTHONMALLOC", "PYTHONNOUSERSITE",
+    "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONINTMAXSTRDIGITS", "PYTHONPYCACHEPREFIX",
+    "PYTHONVERBOSE", "PYTHONDEBUG", "PYTHONINSPECT", "PYTHONSTARTUP", "PYTHONCASEOK",
+})  # fmt: skip
 _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 4 << 20
 _MAX_FDS = 16
@@ -198,6 +207,9 @@ class ForkServer:
         if log is not subprocess.DEVNULL:
             log.close()
         self._ready = False
+        self.forked = 0
+        self.refused: collections.Counter[str] = collections.Counter()
+        """Why requests were refused, and how often (each was started the usual way)."""
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Wait until it has imported its modules and listens."""
@@ -252,7 +264,9 @@ class ForkServer:
             raise
         if "error" in answer:
             conn.close()
+            self.refused[answer["error"]] += 1
             raise ForkRefused(answer["error"])
+        self.forked += 1
         return ForkedProcess(conn, int(answer["pid"]), argv)
 
     def stop(self) -> None:
@@ -297,7 +311,9 @@ def _differing(
 ) -> list[str]:
     """The variables of ``env`` that modules read at import time and that the server's imports
     saw otherwise: neither the value it started with nor one the imports set themselves."""
-    keys = {k for k in (*env, *started) if k.startswith(_IMPORT_TIME_ENV)}
+    keys = {
+        k for k in (*env, *started) if k.startswith(_IMPORT_TIME_PREFIXES) or k in _INTERPRETER_ENV
+    }
     return sorted(k for k in keys if env.get(k) not in (started.get(k), imported.get(k)))
 
 
