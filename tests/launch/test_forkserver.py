@@ -144,3 +144,23 @@ def test_poll_answers_while_another_thread_waits(only, tmp_path):
         os.killpg(agent.pid, signal.SIGKILL)
         waiter.join(30)
         assert not waiter.is_alive() and proc.returncode == -signal.SIGKILL
+
+
+def test_a_caller_in_another_network_namespace_gets_a_process_started_there(only, tmp_path):
+    from lorafleet.testing.netbed import NetBed, netns_available
+
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    argv = [sys.executable, "-m", "lorafleet", "agent", "--help"]
+    with NetBed(1) as bed, Launcher(tmp_path / "logs") as launcher:
+        host = bed.replicas[0]
+        assert only.serves(argv)
+        with bed.inside(host):
+            # A fork of the server would run in the server's namespace, off the shaped link.
+            assert not only.serves(argv)
+        agent = bed.start(launcher, host, _agent(tmp_path / "a", host=host.addr))
+        assert isinstance(agent.proc.proc, subprocess.Popen)
+        with bed.inside(host):
+            here = os.readlink("/proc/thread-self/ns/net")
+        assert os.readlink(f"/proc/{agent.pid}/ns/net") == here

@@ -225,13 +225,16 @@ class ForkServer:
             time.sleep(0.05)
 
     def serves(self, argv: Sequence[str]) -> bool:
-        """Whether ``argv`` is a command this server forks (``python -m lorafleet COMMAND``)."""
+        """Whether ``argv`` is a command this server forks (``python -m lorafleet COMMAND``)
+        for the calling thread: a thread moved into another network namespace (the netbed's
+        replicas) starts its children there, which a fork of the server would not be."""
         return (
             len(argv) > 3
             and argv[0] == sys.executable
             and list(argv[1:3]) == ["-m", "lorafleet"]
             and argv[3] in self.commands
             and self.proc.poll() is None
+            and _namespaces("thread-self") == _namespaces(str(self.proc.pid))
         )
 
     def spawn(
@@ -315,6 +318,17 @@ def _differing(
         k for k in (*env, *started) if k.startswith(_IMPORT_TIME_PREFIXES) or k in _INTERPRETER_ENV
     }
     return sorted(k for k in keys if env.get(k) not in (started.get(k), imported.get(k)))
+
+
+def _namespaces(process: str) -> list[str]:
+    """The namespaces (network, mount...) that ``/proc/<process>`` runs in."""
+    out = []
+    for kind in ("net", "mnt", "uts", "ipc", "user", "cgroup"):
+        try:
+            out.append(os.readlink(f"/proc/{process}/ns/{kind}"))
+        except OSError:
+            out.append("")
+    return out
 
 
 def _pid_alive(pid: int) -> bool:
