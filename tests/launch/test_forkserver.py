@@ -118,12 +118,12 @@ def test_a_variable_read_at_import_time_is_refused_and_started_the_usual_way(onl
         env={**os.environ, "PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace"},
     )
     assert ok.wait(60) == 0
-    with pytest.raises(forkserver.ForkRefused, match="HF_HUB_OFFLINE"):
+    with pytest.raises(forkserver.ForkRefused, match="PYTHONHASHSEED"):
         only.spawn(
             [sys.executable, "-m", "lorafleet", "agent", "--help"],
-            env={**os.environ, "HF_HUB_OFFLINE": "surely-not-the-servers"},
+            env={**os.environ, "PYTHONHASHSEED": "12345"},
         )
-    spec = _agent(tmp_path / "a", env={"HF_HUB_OFFLINE": "surely-not-the-servers"})
+    spec = _agent(tmp_path / "a", env={"PYTHONHASHSEED": "12345"})
     with Launcher(tmp_path / "logs") as launcher:
         agent = launcher.start(spec)
         assert isinstance(agent.proc.proc, subprocess.Popen)  # the usual way

@@ -84,10 +84,16 @@ ENGINE_PRELOAD: tuple[str, ...] = (
 """What ``lorafleet engine`` imports before it serves (torch, transformers, peft)."""
 
 # Variables read while the interpreter starts or a preloaded module is imported: a child whose
-# value differs would run with the server's, so such a request is refused. Others (Ray's
-# PYTHONBREAKPOINT in a driver, a test's own settings) are read at run time and pass.
-_IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_",
-                         "MKL_", "KMP_", "TOKENIZERS_", "CUDA", "LD_")  # fmt: skip
+# value differs would run with the server's, so such a request is refused. A library's own
+# variables count only where the server imported it (a child that imports torch itself reads
+# TORCH* then); others (Ray's PYTHONBREAKPOINT in a driver, a test's settings) are read at run
+# time and pass.
+_IMPORT_TIME_PREFIXES: dict[str, tuple[str, ...]] = {
+    "huggingface_hub": ("HF_", "HUGGINGFACE_"),
+    "transformers": ("TRANSFORMERS_",),
+    "tokenizers": ("TOKENIZERS_",),
+    "torch": ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "CUDA"),
+}
 _INTERPRETER_ENV = frozenset({
     "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONIOENCODING",
     "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE", "PYTHONSAFEPATH", "PYTHONUTF8",
@@ -309,14 +315,22 @@ def server_for(argv: Sequence[str]) -> ForkServer | None:
     return next((s for s in _servers if s.serves(argv)), None)
 
 
+def _import_time_prefixes() -> tuple[str, ...]:
+    """The variable prefixes of the libraries this process has imported, and the loader's."""
+    loaded = [p for m, ps in _IMPORT_TIME_PREFIXES.items() if m in sys.modules for p in ps]
+    return ("LD_", *loaded)
+
+
 def _differing(
-    env: Mapping[str, str], started: Mapping[str, str], imported: Mapping[str, str]
+    env: Mapping[str, str],
+    started: Mapping[str, str],
+    imported: Mapping[str, str],
+    prefixes: tuple[str, ...],
 ) -> list[str]:
-    """The variables of ``env`` that modules read at import time and that the server's imports
-    saw otherwise: neither the value it started with nor one the imports set themselves."""
-    keys = {
-        k for k in (*env, *started) if k.startswith(_IMPORT_TIME_PREFIXES) or k in _INTERPRETER_ENV
-    }
+    """The variables of ``env`` that were read at start or import time (``prefixes``, the
+    interpreter's own) and that the server saw otherwise: neither the value it started with nor
+    one its imports set themselves."""
+    keys = {k for k in (*env, *started) if k.startswith(prefixes) or k in _INTERPRETER_ENV}
     return sorted(k for k in keys if env.get(k) not in (started.get(k), imported.get(k)))
 
 
@@ -466,6 +480,7 @@ def _serve(path: str, preload: Sequence[str]) -> None:
     started = dict(os.environ)
     _preload(preload)
     imported = dict(os.environ)
+    prefixes = _import_time_prefixes()
     if threading.active_count() != 1:
         names = [t.name for t in threading.enumerate()]
         raise SystemExit(f"fork server: threads were started by the imports: {names}")
@@ -497,14 +512,13 @@ def _serve(path: str, preload: Sequence[str]) -> None:
                     os.read(wake_r, 4096)
             elif key.data == "accept":
                 conn, _ = listener.accept()
-                _answer(conn, started, imported, children)
+                _answer(conn, (started, imported, prefixes), children)
         _reap(children)
 
 
 def _answer(
     conn: socket.socket,
-    started: dict[str, str],
-    imported: dict[str, str],
+    seen: tuple[dict[str, str], dict[str, str], tuple[str, ...]],
     children: dict[int, socket.socket],
 ) -> None:
     conn.settimeout(10.0)
@@ -512,7 +526,7 @@ def _answer(
     try:
         body, fds = _recv_message(conn)
         request = json.loads(body)
-        different = _differing(request["env"], started, imported)
+        different = _differing(request["env"], *seen)
         if different:
             raise ForkRefused(f"{different[0]} differs from the fork server's environment")
     except (OSError, ValueError, KeyError, ForkRefused) as exc:
