@@ -376,6 +376,16 @@ def test_removing_a_replica_drains_the_requests_copies_have_on_it(copies):
         if r["agent_url"].rstrip("/") == leaving.rstrip("/")
     )
     engine = fleet.engines[1]
+    # Both replicas in copy a's rotation first: one an earlier test left out would get none of
+    # the requests below, and the drain would rightly have nothing to wait for.
+    wait_until(
+        lambda: any(
+            c["url"] == copies.a.url and c["current"] and c["healthy_replicas"] == 2
+            for c in copies.copies()
+        ),
+        timeout=60,
+        message="copy a routing to both replicas",
+    )
     pool = concurrent.futures.ThreadPoolExecutor(6)
     engine.proc.signal(signal.SIGSTOP)  # what reaches it now stays in flight on copy a
     try:
