@@ -164,3 +164,17 @@ def test_a_caller_in_another_network_namespace_gets_a_process_started_there(only
         with bed.inside(host):
             here = os.readlink("/proc/thread-self/ns/net")
         assert os.readlink(f"/proc/{agent.pid}/ns/net") == here
+
+
+def test_a_server_that_is_gone_is_a_refusal_not_a_failure(tmp_path, monkeypatch):
+    gone = forkserver.ForkServer(["agent"], ["lorafleet.cli"])
+    gone.wait_ready()
+    gone.proc.kill()
+    gone.proc.wait()
+    with pytest.raises(forkserver.ForkRefused):
+        gone.spawn([sys.executable, "-m", "lorafleet", "agent", "--help"], env=dict(os.environ))
+    monkeypatch.setattr(forkserver, "_servers", [gone])
+    with Launcher(tmp_path / "logs") as launcher:
+        agent = launcher.start(_agent(tmp_path / "a"))  # started the usual way
+        assert isinstance(agent.proc.proc, subprocess.Popen)
+    gone.stop()

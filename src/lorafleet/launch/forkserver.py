@@ -252,8 +252,12 @@ class ForkServer:
         log_fd: int | None = None,
         pass_fds: Collection[int] = (),
     ) -> ForkedProcess:
-        """Fork ``argv`` (``python -m lorafleet COMMAND ...``); ``ForkRefused`` if it cannot."""
-        self.wait_ready()
+        """Fork ``argv`` (``python -m lorafleet COMMAND ...``); ``ForkRefused`` if it cannot,
+        a server that failed or went away included: the caller starts it the usual way."""
+        try:
+            self.wait_ready()
+        except (RuntimeError, TimeoutError) as exc:
+            raise ForkRefused(str(exc)) from exc
         request = {
             "argv": list(argv[3:]),
             "env": dict(env),
@@ -268,6 +272,9 @@ class ForkServer:
             conn.connect(self.path)
             _send_message(conn, json.dumps(request).encode(), fds)
             answer = json.loads(_recv_line(conn) or b'{"error": "the fork server closed"}')
+        except OSError as exc:
+            conn.close()
+            raise ForkRefused(f"the fork server did not answer: {exc}") from exc
         except BaseException:
             conn.close()
             raise
