@@ -44,6 +44,8 @@ import traceback
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
+from lorafleet.fleetfile import pid_alive
+
 __all__ = [
     "ENGINE_PRELOAD",
     "SERVICE_COMMANDS",
@@ -170,7 +172,7 @@ class ForkedProcess:
             else:
                 # The server is gone without a word: its orphans were re-parented and are
                 # reaped elsewhere, so only whether the pid still runs can be known.
-                if _pid_alive(self.pid):
+                if pid_alive(self.pid):
                     return None
                 self.returncode = -signal.SIGKILL
             self._conn.close()
@@ -350,16 +352,6 @@ def _namespaces(process: str) -> list[str]:
         except OSError:
             out.append("")
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _send_message(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
