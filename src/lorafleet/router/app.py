@@ -146,6 +146,7 @@ class RouterApp:
                 token=self.config.agent_token,
                 interval_s=self.config.catch_up_interval_s,
                 on_change=self.prune_metrics,
+                make_room=self.placer.make_room,
             )
             self.catch_up.start()
         try:

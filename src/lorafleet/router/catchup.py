@@ -16,6 +16,9 @@ rotation: it lists what the agent holds and compares it with the table.
   the trainer's canary, with that canary (``protocol/canary.py``). Only then is it listed for the
   version (``AliasStore.add_holder``, which refuses a claim for other bytes).
 
+A lagging replica whose engine is full (other names filled it meanwhile) gets a slot from the
+placer, which evicts its least recently used version of another name, as for a publication.
+
 A name whose publish lease is held is left alone: a publication is under way and owns its
 replicas until its flip. A failed catch-up is recorded on the name's lagging state and tried again
 after a backoff (1 s doubling to 30 s). Versions are caught up oldest first (an agent refuses a
@@ -31,7 +34,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -110,6 +113,7 @@ class CatchUp:
         transfer_timeout_s: float = 600.0,
         gather_s: float = 0.5,
         on_change: Callable[[], None] | None = None,
+        make_room: Callable[[Replica, int, frozenset[str]], Awaitable[object]] | None = None,
     ) -> None:
         self.store = store
         self.balancer = balancer
@@ -119,6 +123,10 @@ class CatchUp:
         self.call_timeout_s = call_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.on_change = on_change
+        self.make_room = make_room
+        """The placer's eviction (``Placer.make_room``): a lagging replica whose engine other
+        names filled while it lagged gets a slot for the version it catches up on, as a
+        publication's replicas do."""
         self._http: httpx.AsyncClient | None = None
         self._busy: dict[str, asyncio.Task] = {}
         self._retry: dict[tuple[str, str], tuple[float, float]] = {}
@@ -293,6 +301,8 @@ class CatchUp:
             for rec in await asyncio.wait_for(target.list_adapters(), bound):
                 if rec.name == name and rec.version == v and rec.digest != ref.digest:
                     await asyncio.wait_for(target.unload(name, v), bound)
+            if self.make_room is not None:
+                await self.make_room(r, 1, frozenset({name}))
             try:
                 install = await self._copied(r, src, name, v, ref, timeouts)
             except InstallFailed as exc:
