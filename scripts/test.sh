@@ -28,4 +28,9 @@ if [ "${LORAFLEET_SKIP_AREAL:-0}" != "1" ]; then
 fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
-exec .venv/bin/pytest -q -p no:cacheprovider "$@"
+# Two workers: most of the suite waits on servers, not on the CPU (about one core busy on
+# average when run serially). tests/conftest.py keeps each module on one worker and every test
+# that needs a real vLLM/SGLang server or a Ray cluster on the same one, run first.
+# LORAFLEET_TEST_WORKERS=0 runs it serially.
+exec .venv/bin/pytest -q -p no:cacheprovider -n "${LORAFLEET_TEST_WORKERS:-2}" --dist loadgroup \
+  --no-loadscope-reorder "$@"

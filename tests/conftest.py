@@ -60,6 +60,46 @@ def fork_servers(tmp_path_factory) -> Iterator[list[forkserver.ForkServer]]:
 _FORK_SUMMARY: list[str] = []
 
 
+# Fixtures that start a real vLLM or SGLang server, one per worker: their tests share a worker.
+_ENGINE_FIXTURES = {"vllm_server", "sglang_server"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``scripts/test.sh``), one group per module, so a
+    module's fixtures start once; and one "heavy" group, run first on one worker, for every
+    module that needs a real vLLM or SGLang server or a Ray cluster: each such server starts
+    once per session and never two at once on the machine's cores, while the other workers run
+    the modules whose servers are lorafleet's own (forked in under a second)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    heavy = {
+        item.module.__name__
+        for item in items
+        if _ENGINE_FIXTURES & set(item.fixturenames)
+        or item.get_closest_marker("vllm")
+        or item.get_closest_marker("sglang")
+        or item.module.__name__.startswith("tests.on_ray.")
+    }
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("heavy" if module in heavy else module))
+    items.sort(key=lambda item: item.module.__name__ not in heavy)  # stable: heavy first
+
+
+def pytest_sessionfinish(session) -> None:
+    # An xdist worker hands its counts to the controller, which prints them.
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["fork_summary"] = list(_FORK_SUMMARY)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    for line in getattr(node, "workeroutput", {}).get("fork_summary", []):
+        _FORK_SUMMARY.append(f"{node.gateway.id}: {line}")
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many servers were forked: a refusal (an environment that differs) costs seconds."""
     for line in _FORK_SUMMARY:
