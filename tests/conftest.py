@@ -71,7 +71,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     module that needs a real vLLM or SGLang server or a Ray cluster: each such server starts
     once per session and never two at once on the machine's cores, while the other workers run
     the modules whose servers are lorafleet's own (forked in under a second)."""
-    if config.getoption("dist", "no") != "loadgroup":
+    # xdist's workers, which collect, see ``dist`` as "no" and ``loadgroup`` set instead.
+    if not (
+        getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup"
+    ):
         return
     heavy = {
         item.module.__name__
@@ -85,6 +88,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         module = item.module.__name__
         item.add_marker(pytest.mark.xdist_group("heavy" if module in heavy else module))
     items.sort(key=lambda item: item.module.__name__ not in heavy)  # stable: heavy first
+
+
+def pytest_collection_finish(session) -> None:
+    """Fail loudly where the groups above did not take: xdist marks a group in each test's node
+    id, which pytest 9.2 no longer lets it change; a module split over two workers would start
+    its fixtures twice and break the tests that build on each other (pyproject pins pytest)."""
+    grouped = getattr(session.config.option, "loadgroup", False)
+    if grouped and not all("@" in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            "pytest-xdist could not group the tests by module with this pytest; run "
+            "LORAFLEET_TEST_WORKERS=0 scripts/test.sh, or install the pinned pytest"
+        )
 
 
 def pytest_sessionfinish(session) -> None:
