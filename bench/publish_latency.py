@@ -6,8 +6,11 @@ modules of the tiny model = 256 MiB; vLLM caps rank at 512, so its large adapter
 
 For each publication it records the Publisher's breakdown (hash/serialize, transfer, verify,
 engine load, cutover, retire of the previous version) and the time until the first routed
-request answers with the new version. Interleaved with the publications it times a raw
-``/v1/load_lora_adapter`` + unload of the same directory on one engine: the engine's own cost.
+request answers with the new version. Before the publications of each size it times as many raw
+``/v1/load_lora_adapter`` + unload of the same directories, one engine after another: the
+engine's own cost. ``--interleave-raw`` times each just before its publication instead (the
+layout of the earlier runs in bench/RESULTS.md): a load and unload made behind the agents'
+backs right before each publication then costs that publication ~3 ms (its begin step).
 
 "serving" is the Publisher's own mark: the moment the router's alias points at the new version on
 every replica (what follows is bookkeeping: recording it active, draining and releasing v-1).
@@ -40,7 +43,7 @@ from lorafleet.launch import Launcher, Server
 from lorafleet.protocol.router import AliasEvent
 from lorafleet.publisher import Publisher
 from lorafleet.publisher.result import STEPS, PublishResult
-from lorafleet.router.table import AliasStore
+from lorafleet.router.table import LOG_FILE, AliasStore
 from lorafleet.testing import (
     ALL_LINEAR,
     greedy_completion,
@@ -73,15 +76,22 @@ def p90(xs: list[float]) -> float:
 
 
 def prefill_log(state_dir: Path, events: int) -> None:
-    """A router state file whose flip log holds ``events`` events of another name (a router
-    that has served many publications: every write of its state carries the log)."""
+    """A router state whose flip log holds ``events`` events of another name (a router that
+    has served many publications): the log file, one event a line, and a state file that
+    reaches them."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / LOG_FILE).write_text(
+        "".join(
+            AliasEvent(
+                seq=i, ts=time.time(), name="history", version=i, engine_name=f"history@v{i}"
+            ).model_dump_json()
+            + "\n"
+            for i in range(1, events + 1)
+        )
+    )
     store = AliasStore(state_dir)
-    store.log = [
-        AliasEvent(seq=i, ts=time.time(), name="history", version=i, engine_name=f"history@v{i}")
-        for i in range(1, events + 1)
-    ]
     store.seq = events
-    store.acquire_lease("history", "bench", 1)  # writes the file
+    store.acquire_lease("history", "bench", 1)  # writes the state file
 
 
 def print_steps(results: list[PublishResult]) -> None:
@@ -144,6 +154,7 @@ def run_fleet(
     republish: bool = False,
     publisher_kw: dict | None = None,
     router_log: int = 0,
+    interleave_raw: bool = False,
 ) -> None:
     model = ensure_tiny_model()
     launcher = Launcher(work / f"logs-{kind}")
@@ -216,8 +227,16 @@ def run_fleet(
                 rows = []
                 raw = []
                 results: list[PublishResult] = []
+                # The engine's own cost, measured apart so that it does not disturb the
+                # publications it is compared with (unless --interleave-raw).
+                raws = [
+                    None if interleave_raw else raw_load_s(engines[i % len(engines)], a, label)
+                    for i, a in enumerate(adapters[label][: reps + 1])
+                ]
                 for i in range(reps + 1):  # the first publication of each size warms up
-                    raw_t = raw_load_s(engines[i % len(engines)], adapters[label][i], label)
+                    raw_t = raws[i]
+                    if raw_t is None:
+                        raw_t = raw_load_s(engines[i % len(engines)], adapters[label][i], label)
                     t0 = time.perf_counter()
                     res = pub.publish(str(adapters[label][i]), name=f"bench-{label}")
                     t_ret = time.perf_counter() - t0
@@ -294,6 +313,11 @@ def main() -> None:
         default=0,
         help="start the router with this many events in its flip log (a long-lived router's)",
     )
+    ap.add_argument(
+        "--interleave-raw",
+        action="store_true",
+        help="time each raw engine load just before its publication (the earlier layout)",
+    )
     a = ap.parse_args()
     kw = {"retire_in_background": False} if a.retire_inline else None
     with tempfile.TemporaryDirectory(prefix="lf-bench-publish-") as tmp:
@@ -307,6 +331,7 @@ def main() -> None:
                 republish=a.republish,
                 publisher_kw=kw,
                 router_log=a.router_log,
+                interleave_raw=a.interleave_raw,
             )
 
 
