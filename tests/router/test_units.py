@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from lorafleet.dataplane.balancer import Balancer
 from lorafleet.errors import ServiceError
 from lorafleet.protocol.router import AliasEvent
-from lorafleet.router.table import STATE_FILE, AliasStore
+from lorafleet.router import table as table_module
+from lorafleet.router.table import LOG_FILE, STATE_FILE, AliasStore
 from lorafleet.testing.consistency import Observation, check, implied_version
 
 
@@ -59,7 +61,77 @@ def test_store_persists_atomically(tmp_path):
     again = AliasStore(tmp_path)
     assert again.aliases == s.aliases and again.log == s.log and again.seq == 1
     assert again.lease_of("p").holder == "a"
-    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left
+    # no temp files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([LOG_FILE, STATE_FILE])
+
+
+def _events(store: AliasStore) -> list[tuple[int, int | None]]:
+    return [(e.seq, e.version) for e in store.log]
+
+
+def test_the_flip_log_survives_a_crash_at_any_point_of_a_write(tmp_path):
+    """The log file is appended to before the state file is replaced: an event the state does
+    not reach (the crash came between the two) and a line cut short are dropped on start, and
+    the next flip starts a line of its own."""
+    s = AliasStore(tmp_path)
+    s.set_alias("p", 1, "p@v1", ["r0"])
+    s.set_alias("p", 2, "p@v2", ["r0"])
+    log_file = tmp_path / LOG_FILE
+    committed = log_file.read_bytes()
+    # A flip whose log line landed and whose state write did not, then a line cut short.
+    ghost = AliasEvent(seq=3, ts=1.0, name="p", version=9, engine_name="p@v9")
+    log_file.write_bytes(committed + ghost.model_dump_json().encode() + b"\n" + b'{"seq":4,"ts')
+    again = AliasStore(tmp_path)
+    assert _events(again) == [(1, 1), (2, 2)] and again.aliases["p"].version == 2
+    assert log_file.read_bytes() == committed  # rewritten without them
+    again.set_alias("p", 3, "p@v3", ["r0"])
+    assert _events(AliasStore(tmp_path)) == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_a_flip_whose_state_write_failed_is_replaced_by_the_next(tmp_path, monkeypatch):
+    s = AliasStore(tmp_path)
+    s.set_alias("p", 1, "p@v1", ["r0"])
+    real = table_module.atomic_write
+
+    def fail(path, data, mode=0o600):
+        if path.name == STATE_FILE:
+            raise OSError("disk full")
+        real(path, data, mode)
+
+    monkeypatch.setattr(table_module, "atomic_write", fail)
+    with pytest.raises(OSError):
+        s.set_alias("p", 2, "p@v2", ["r0"])  # its line is in the log file, seq 2
+    monkeypatch.setattr(table_module, "atomic_write", real)
+    assert s.aliases["p"].version == 1 and _events(s) == [(1, 1)]
+    s.set_alias("p", 5, "p@v5", ["r0"])  # takes seq 2
+    assert _events(AliasStore(tmp_path)) == [(1, 1), (2, 5)]
+
+
+def test_a_state_file_with_the_log_inside_is_read_and_moved_out(tmp_path):
+    """A router before the log file kept the log in its state file."""
+    s = AliasStore(tmp_path)
+    s.set_alias("p", 1, "p@v1", ["r0"])
+    s.set_alias("p", 2, "p@v2", ["r0"])
+    doc = json.loads((tmp_path / STATE_FILE).read_text())
+    doc["log"] = [e.model_dump() for e in s.log]
+    (tmp_path / STATE_FILE).write_text(json.dumps(doc))
+    (tmp_path / LOG_FILE).unlink()
+    again = AliasStore(tmp_path)
+    assert _events(again) == [(1, 1), (2, 2)]
+    again.set_alias("p", 3, "p@v3", ["r0"])
+    assert json.loads((tmp_path / STATE_FILE).read_text())["log"] == []
+    assert _events(AliasStore(tmp_path)) == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_the_log_file_is_cut_back_to_the_newest_events(tmp_path, monkeypatch):
+    monkeypatch.setattr(table_module, "MAX_LOG", 3)
+    s = AliasStore(tmp_path)
+    for v in range(1, 12):
+        s.set_alias("p", v, f"p@v{v}", ["r0"])
+        lines = (tmp_path / LOG_FILE).read_bytes().count(b"\n")
+        assert lines <= 2 * 3  # rewritten with the newest once it passes twice the cap
+    assert _events(s) == [(9, 9), (10, 10), (11, 11)]
+    assert _events(AliasStore(tmp_path)) == _events(s)
 
 
 def test_a_reservation_takes_the_lease_in_the_same_write_or_nothing(tmp_path):
