@@ -61,8 +61,9 @@ def test_store_persists_atomically(tmp_path):
     again = AliasStore(tmp_path)
     assert again.aliases == s.aliases and again.log == s.log and again.seq == 1
     assert again.lease_of("p").holder == "a"
-    # no temp files left
+    # no temp files left, and neither file is readable by others
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([LOG_FILE, STATE_FILE])
+    assert {(tmp_path / n).stat().st_mode & 0o777 for n in (LOG_FILE, STATE_FILE)} == {0o600}
 
 
 def _events(store: AliasStore) -> list[tuple[int, int | None]]:

@@ -156,7 +156,9 @@ class AliasStore:
 
     def _append_log(self, events: list[AliasEvent]) -> None:
         assert self.log_path is not None
-        with open(self.log_path, "ab") as f:
+        # 0600 like the state file (atomic_write's default): both hold the routing state.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "ab") as f:
             f.write("".join(_event_json(e) + "\n" for e in events).encode())
             f.flush()
             os.fdatasync(f.fileno())
