@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,17 @@ def main() -> None:
     finally:
         Path(opts.out, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
         if dist.is_initialized():
+            if "crash" not in report:
+                # Both ranks past their last collective before either tears gloo down: one
+                # rank's teardown racing the other's once aborted it at exit ("terminate
+                # called without an active exception") after both had reported success.
+                dist.barrier()
             dist.destroy_process_group()
+    # What is left is the interpreter's own teardown, where gloo's threads once aborted the
+    # rank the same way: the report is written, the group destroyed, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

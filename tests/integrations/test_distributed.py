@@ -84,7 +84,7 @@ def torchrun(fleet: LocalFleet, out: Path, *args: str) -> list[dict]:
         path = out / f"rank{rank}.json"
         assert path.is_file(), f"rank {rank} wrote no report; log: {log.read_text()[-4000:]}"
         reports.append(json.loads(path.read_text()))
-    assert proc.returncode == 0, [r.get("crash") for r in reports]
+    assert proc.returncode == 0, ([r.get("crash") for r in reports], log.read_text()[-4000:])
     return reports
 
 
